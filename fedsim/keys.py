@@ -1,0 +1,36 @@
+"""Message, metric and config keys, in one place (kebab-case, like Flower's)."""
+
+# Records inside a Message's RecordDict
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+
+# ConfigRecord keys sent to clients
+SERVER_ROUND = "server-round"  # set by Flower strategies
+RUN_SPEC = "fedsim-spec"  # JSON of the resolved run config (task, data, client training)
+MODEL_VERSION = "model-version"  # server model version the client starts from
+PROXIMAL_MU = "proximal-mu"  # set by Flower's FedProx
+CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by strategies.clipping)
+TRAIN_SEED = "train-seed"  # seed for this client's local training in this round
+
+# MetricRecord keys returned by clients
+NUM_EXAMPLES = "num-examples"
+TRAIN_LOSS = "train-loss"
+PARTITION_ID = "partition-id"
+NUM_STEPS = "num-steps"
+EVAL_LOSS = "eval-loss"
+EVAL_ACCURACY = "eval-accuracy"
+CLIPPED = "clipped"  # 1.0 if the client clipped its update, else 0.0
+UPDATE_NORM = "update-norm"  # L2 norm of the client's update before clipping
+
+# MetricRecord keys that strategies may add to their aggregated train metrics.
+# Every key in that record lands in metrics.jsonl with '-' turned into '_'.
+AGG_CLIP_NORM = "clip-norm"
+AGG_CLIPPED_FRACTION = "clipped-fraction"
+AGG_EPSILON = "epsilon"
+AGG_NOISE_STD = "noise-std"
+
+# node_config keys (simulation sets the first two; deployment passes them with --node-config)
+NODE_PARTITION_ID = "partition-id"
+NODE_NUM_PARTITIONS = "num-partitions"
+NODE_DATA_DIR = "data-dir"
