@@ -18,6 +18,7 @@ NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"
 PARTITION_ID = "partition-id"
 NUM_STEPS = "num-steps"
+EXAMPLES_PROCESSED = "examples-processed"  # examples seen in local training (for simulated time)
 EVAL_LOSS = "eval-loss"
 EVAL_ACCURACY = "eval-accuracy"
 CLIPPED = "clipped"  # 1.0 if the client clipped its update, else 0.0

@@ -1,0 +1,5 @@
+"""``python -m fedsim`` is the ``fedsim`` command."""
+
+from fedsim.cli import main
+
+main()

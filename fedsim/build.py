@@ -1,0 +1,177 @@
+"""The composition root: the only module that turns config into objects (``hydra.utils.instantiate``).
+
+Everything below it takes plain typed arguments. What crosses a process boundary (to Ray actors or to
+SuperNodes) is the *client spec*: a JSON string of plain values, from which ``client_task`` rebuilds the
+client's data and model once per worker process and caches them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from fedsim.data.base import Dataset
+from fedsim.errors import ConfigError
+from fedsim.models import build_model
+from fedsim.training import LocalTraining
+
+# Config sections a client needs to rebuild its task; they travel as JSON in every train message.
+CLIENT_SPEC_KEYS = ("seed", "num_clients", "val_fraction", "dataset", "partitioner", "model", "client")
+
+
+def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
+    """``instantiate`` that turns a ConfigError raised inside a target into one naming the config key."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as e:
+        cause = e.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause.with_prefix(section) from None
+        raise
+    except ConfigError as e:
+        raise e.with_prefix(section) from None
+
+
+def client_spec(cfg: DictConfig, device: str) -> str:
+    """The JSON client spec for a composed run config."""
+    spec = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
+            for k in CLIENT_SPEC_KEYS}
+    spec["device"] = device
+    spec["threads"] = int(cfg.placement.threads_per_client)
+    return json.dumps(spec, sort_keys=True)
+
+
+def resolve_device(name: str) -> str:
+    """Map ``auto`` to ``cuda`` when a GPU is visible, else ``cpu``; pass others through."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+@functools.lru_cache(maxsize=4)
+def _dataset(dataset_json: str, seed: int) -> Dataset:
+    return _instantiate("dataset", OmegaConf.create(json.loads(dataset_json)), seed=seed)
+
+
+def build_dataset(spec: dict) -> Dataset:
+    """Build (once per process) the data set named in a spec."""
+    return _dataset(json.dumps(spec["dataset"], sort_keys=True), int(spec["seed"]))
+
+
+@functools.lru_cache(maxsize=4)
+def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    from fedsim.data.partition import split_train_val
+
+    spec = json.loads(spec_key)
+    ds = build_dataset(spec)
+    fn = _instantiate("partitioner", OmegaConf.create(spec["partitioner"]))
+    rng = np.random.default_rng([int(spec["seed"]), 7])
+    try:
+        parts = fn(ds.y_train, int(spec["num_clients"]), rng, groups=ds.groups)
+    except ConfigError as e:
+        raise (e if e.key == "num_clients" else e.with_prefix("partitioner")) from None
+    train, val = [], []
+    for pid, idx in enumerate(parts):
+        t, v = split_train_val(idx, float(spec["val_fraction"]), np.random.default_rng([int(spec["seed"]), 8, pid]))
+        train.append(t)
+        val.append(v)
+    return train, val
+
+
+def build_partitions(spec: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per-client (train, val) index arrays for a spec, built once per process."""
+    keys = ("seed", "num_clients", "val_fraction", "dataset", "partitioner")
+    return _partitions(json.dumps({k: spec[k] for k in keys}, sort_keys=True))
+
+
+def model_factory(spec: dict):
+    """A callable ``(input_shape, num_classes) -> nn.Module`` from the ``model`` section."""
+    return _instantiate("model", OmegaConf.create(spec["model"]))
+
+
+def build_initial_model(spec: dict) -> torch.nn.Module:
+    """The global model at round 0, initialised from the run's seed."""
+    ds = build_dataset(spec)
+    try:
+        return build_model(model_factory(spec), ds.input_shape, ds.num_classes, seed=int(spec["seed"]))
+    except ConfigError as e:
+        raise e.with_prefix("model") from None
+
+
+def local_training(spec: dict) -> LocalTraining:
+    """The client's local optimiser settings from the ``client`` section."""
+    c = spec["client"]
+    return LocalTraining(**{k: c[k] for k in LocalTraining.__dataclass_fields__ if k in c})
+
+
+@dataclass
+class ClientTask:
+    """What one client keeps alive between messages: its data on the device and one model."""
+
+    partition_id: int
+    model: torch.nn.Module
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_val: torch.Tensor
+    y_val: torch.Tensor
+    local: LocalTraining
+    seed: int
+    device: str
+
+
+_MODELS: dict[tuple[str, str], torch.nn.Module] = {}
+
+
+@functools.lru_cache(maxsize=4096)
+def client_task(spec_json: str, partition_id: int) -> ClientTask:
+    """Build and cache one client's task; the model object is shared by all clients of a worker."""
+    spec = json.loads(spec_json)
+    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    device = resolve_device(spec["device"])
+    ds = build_dataset(spec)
+    train, val = build_partitions(spec)
+    if not 0 <= partition_id < len(train):
+        raise ConfigError("partition-id", partition_id, f"an integer in [0, {len(train)})")
+    mkey = (json.dumps(spec["model"], sort_keys=True) + json.dumps(spec["dataset"], sort_keys=True), device)
+    if mkey not in _MODELS:
+        _MODELS[mkey] = build_initial_model(spec).to(device)
+    t, v = train[partition_id], val[partition_id]
+
+    def tensors(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.as_tensor(ds.x_train[idx], device=device), torch.as_tensor(ds.y_train[idx], device=device))
+
+    (xt, yt), (xv, yv) = tensors(t), tensors(v)
+    return ClientTask(partition_id, _MODELS[mkey], xt, yt, xv, yv, local_training(spec), int(spec["seed"]), device)
+
+
+def build_strategy(cfg: DictConfig, clients_per_round: int):
+    """The server strategy from ``strategy=``, wrapped by ``clipping=`` when one is chosen."""
+    strategy = _instantiate(
+        "strategy", cfg.strategy, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1, min_evaluate_nodes=1
+    )
+    if getattr(strategy, "check_cohort", None):
+        try:
+            strategy.check_cohort(clients_per_round)
+        except ConfigError as e:
+            raise e.with_prefix("strategy") from None
+    if cfg.clipping.get("_target_"):
+        strategy = _instantiate(
+            "clipping", cfg.clipping, strategy=strategy, num_clients=int(cfg.num_clients),
+            clients_per_round=clients_per_round, seed=int(cfg.seed),
+        )
+    return strategy
+
+
+def build_heterogeneity(cfg: DictConfig, num_clients: int):
+    """The simulated-time model from ``heterogeneity=``."""
+    return _instantiate("heterogeneity", cfg.heterogeneity, num_clients=num_clients, seed=int(cfg.seed))

@@ -1,0 +1,94 @@
+"""fedsim's one Flower ClientApp: local training and evaluation on the node's own partition.
+
+Every engine runs this same app. The run's client spec (JSON) arrives in each message's ConfigRecord, so
+the app needs nothing from ``run_config``; the node's partition comes from ``node_config``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsim import keys
+from fedsim.build import ClientTask, client_task
+from fedsim.training import evaluate, train_local
+
+app = ClientApp()
+
+
+def _task(msg: Message, context: Context) -> ClientTask:
+    spec = str(msg.content[keys.CONFIG][keys.RUN_SPEC])
+    return client_task(spec, int(context.node_config[keys.NODE_PARTITION_ID]))
+
+
+def _load(task: ClientTask, arrays: ArrayRecord) -> None:
+    """Load the global weights into the worker's model in place."""
+    task.model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+
+
+def _clip_to(task: ClientTask, start: dict[str, torch.Tensor], clip_norm: float) -> tuple[float, bool]:
+    """Clip the update (model - start) to L2 norm ``clip_norm`` in place; return (pre-clip norm, clipped)."""
+    with torch.no_grad():
+        state = task.model.state_dict()
+        deltas = {k: state[k] - start[k] for k in start if torch.is_floating_point(start[k])}
+        norm = math.sqrt(sum(float((d.double() ** 2).sum()) for d in deltas.values()))
+        if norm <= clip_norm or norm == 0.0:
+            return norm, False
+        scale = clip_norm / norm
+        for k, d in deltas.items():
+            state[k].copy_(start[k] + d * scale)
+        return norm, True
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Train on the local partition from the received global model."""
+    task = _task(msg, context)
+    cfg = msg.content[keys.CONFIG]
+    _load(task, msg.content[keys.ARRAYS])
+    rnd = int(cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0)))
+    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([task.seed, 3, rnd, task.partition_id])
+                                            .generate_state(1)[0]))
+    clip = float(cfg[keys.CLIP_NORM]) if keys.CLIP_NORM in cfg else None
+    start = {k: v.detach().clone() for k, v in task.model.state_dict().items()} if clip is not None else None
+    loss, steps, seen = train_local(
+        task.model, task.x_train, task.y_train, task.local, gen,
+        proximal_mu=float(cfg.get(keys.PROXIMAL_MU, 0.0)),
+    )
+    metrics = {
+        keys.NUM_EXAMPLES: int(task.x_train.shape[0]),
+        keys.TRAIN_LOSS: loss,
+        keys.PARTITION_ID: task.partition_id,
+        keys.NUM_STEPS: steps,
+        keys.EXAMPLES_PROCESSED: seen,
+    }
+    if clip is not None:
+        norm, clipped = _clip_to(task, start, clip)
+        metrics[keys.UPDATE_NORM] = norm
+        metrics[keys.CLIPPED] = float(clipped)
+    state = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
+    content = RecordDict({keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)})
+    return Message(content, reply_to=msg)
+
+
+@app.evaluate()
+def evaluate_fn(msg: Message, context: Context) -> Message:
+    """Evaluate the received global model on the local validation split."""
+    task = _task(msg, context)
+    _load(task, msg.content[keys.ARRAYS])
+    loss, acc = evaluate(task.model, task.x_val, task.y_val)
+    n = int(task.x_val.shape[0])
+    metrics = {keys.NUM_EXAMPLES: n, keys.EVAL_LOSS: 0.0 if n == 0 else loss, keys.EVAL_ACCURACY: 0.0 if n == 0 else acc}
+    return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Report this node's partition id and size (used to map node ids to partitions)."""
+    task = _task(msg, context)
+    metrics = {keys.PARTITION_ID: task.partition_id, keys.NUM_EXAMPLES: int(task.x_train.shape[0])}
+    return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)

@@ -1,0 +1,115 @@
+"""Helpers around Flower's ``Grid``: a sampled view, node discovery, reply screening."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+
+from fedsim import keys
+
+
+class SampledGrid(Grid):
+    """A view of ``grid`` whose ``get_node_ids`` returns only the sampled cohort.
+
+    fedsim samples clients itself (seeded, by partition id) and hands Flower strategies this view, so any
+    ``flwr.serverapp.strategy`` class sends to exactly the sampled nodes.
+    """
+
+    def __init__(self, grid: Grid, node_ids: Iterable[int]) -> None:
+        self._grid = grid
+        self._nodes = list(node_ids)
+
+    def set_run(self, run):  # noqa: D102
+        self._grid.set_run(run)
+
+    @property
+    def run(self):  # noqa: D102
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: D102
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+        return list(self._nodes)
+
+    def push_messages(self, messages):  # noqa: D102
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):  # noqa: D102
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
+    """Wait until ``expected`` nodes are connected; raise ``TimeoutError`` after ``timeout`` seconds."""
+    end = time.monotonic() + timeout
+    while len(nodes := sorted(grid.get_node_ids())) < expected:
+        if time.monotonic() > end:
+            raise TimeoutError(f"only {len(nodes)} of {expected} clients connected within {timeout:.0f} s")
+        time.sleep(0.05)
+    return nodes
+
+
+def discover(grid: Grid, node_ids: list[int], spec: str, timeout: float) -> dict[int, tuple[int, int]]:
+    """Ask every node for its partition id and size: ``{partition_id: (node_id, num_examples)}``."""
+    msgs = [
+        Message(RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec})}), nid, MessageType.QUERY)
+        for nid in node_ids
+    ]
+    found: dict[int, tuple[int, int]] = {}
+    for rep in grid.send_and_receive(msgs, timeout=timeout):
+        if rep.has_error():
+            raise RuntimeError(f"client on node {rep.metadata.src_node_id} failed to start: {rep.error.reason}")
+        m = rep.content[keys.METRICS]
+        pid = int(m[keys.PARTITION_ID])
+        if pid in found:
+            raise RuntimeError(f"two nodes claim partition-id={pid}; give each SuperNode its own partition")
+        found[pid] = (rep.metadata.src_node_id, int(m[keys.NUM_EXAMPLES]))
+    return found
+
+
+def first_line(reason: str) -> str:
+    """The most informative single line of a (possibly Ray-wrapped) error reason."""
+    lines = [ln.strip() for ln in str(reason).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "Error" in ln or "Exception" in ln:
+            return ln[:300]
+    return (lines[-1] if lines else "unknown error")[:300]
+
+
+def screen_replies(
+    replies: Iterable[Message], reference: ArrayRecord
+) -> tuple[list[Message], list[tuple[str, str]]]:
+    """Split train replies into valid ones and failures ``(kind, detail)``.
+
+    A reply fails if it is an error, lacks arrays or metrics, has arrays whose keys, shapes or dtypes differ
+    from ``reference``, or holds NaN/Inf in its arrays or train loss.
+    """
+    ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
+    valid, failures = [], []
+    for rep in replies:
+        if rep.has_error():
+            failures.append(("error", first_line(rep.error.reason)))
+            continue
+        c = rep.content
+        if keys.ARRAYS not in c or keys.METRICS not in c:
+            failures.append(("malformed", "reply lacks arrays or metrics"))
+            continue
+        arrs = c[keys.ARRAYS]
+        got = {k: (tuple(a.shape), a.dtype) for k, a in arrs.items()}
+        if got != ref:
+            failures.append(("shape", "arrays differ from the global model in keys, shapes or dtypes"))
+            continue
+        loss = c[keys.METRICS].get(keys.TRAIN_LOSS, 0.0)
+        if not math.isfinite(float(loss)) or not all(np.isfinite(a.numpy()).all() for a in arrs.values()):
+            failures.append(("nonfinite", "NaN or Inf in the update"))
+            continue
+        valid.append(rep)
+    return valid, failures

@@ -1,0 +1,64 @@
+"""Model factories that adapt to a data set's input shape and class count.
+
+Each factory takes ``input_shape`` and ``num_classes`` (filled in by fedsim from the data set) plus its own
+hyperparameters, and returns an ``nn.Module`` mapping ``(batch, *input_shape)`` to ``(batch, num_classes)``
+logits. Any ``_target_`` with this signature can be used as ``model=``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from fedsim.errors import ConfigError
+
+
+def logreg(input_shape: Sequence[int], num_classes: int) -> nn.Module:
+    """Multinomial logistic regression (FedProx's ``mclr``)."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
+
+
+def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (64,)) -> nn.Module:
+    """Fully connected ReLU network with the given hidden widths."""
+    widths = [math.prod(input_shape), *hidden]
+    if any(int(h) < 1 for h in hidden):
+        raise ConfigError("hidden", list(hidden), "a list of positive layer widths")
+    layers: list[nn.Module] = [nn.Flatten()]
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, int(b)), nn.ReLU()]
+    layers.append(nn.Linear(widths[-1], num_classes))
+    return nn.Sequential(*layers)
+
+
+def cnn(
+    input_shape: Sequence[int], num_classes: int, channels: Sequence[int] = (16, 32), hidden: int = 64
+) -> nn.Module:
+    """Small CNN: conv3x3-ReLU-maxpool blocks, then one hidden dense layer.
+
+    Works on 1-channel or 3-channel images of any size >= 2**len(channels) (digits 8x8, MNIST 28x28,
+    CIFAR 32x32). Inputs without a channel axis, ``(h, w)``, are treated as one channel.
+    """
+    shape = tuple(input_shape)
+    if len(shape) == 2:
+        shape = (1, *shape)
+    if len(shape) != 3:
+        raise ConfigError("model", "cnn", "image inputs (C, H, W)", f"This data set's inputs have shape {shape}.")
+    c, h, w = shape
+    layers: list[nn.Module] = [nn.Unflatten(1, shape)] if len(input_shape) != 3 else []
+    for out in channels:
+        layers += [nn.Conv2d(c, int(out), 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+        c, h, w = int(out), h // 2, w // 2
+    if h < 1 or w < 1:
+        raise ConfigError("model.channels", list(channels), f"at most {int(math.log2(min(shape[1:])))} blocks")
+    layers += [nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)]
+    return nn.Sequential(*layers)
+
+
+def build_model(factory, input_shape: Sequence[int], num_classes: int, seed: int) -> nn.Module:
+    """Build a model with weights drawn from ``seed`` without touching the global torch RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return factory(input_shape=tuple(input_shape), num_classes=num_classes)

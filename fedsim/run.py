@@ -1,0 +1,117 @@
+"""One experiment from a composed config: build, run on the chosen engine, write the run folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from omegaconf import DictConfig, OmegaConf
+
+from fedsim import __version__, build
+from fedsim.errors import ConfigError
+from fedsim.recorder import Recorder, atomic_torch_save
+from fedsim.server import LoopConfig, RunState, run_sync
+from fedsim.training import evaluate
+from fedsim.validate import clients_per_round, validate
+
+log = logging.getLogger("fedsim")
+
+
+def versions() -> dict:
+    """Versions of fedsim and its main dependencies, for summary.json."""
+    import flwr
+
+    return {"fedsim": __version__, "flwr": flwr.__version__, "torch": torch.__version__, "numpy": np.__version__,
+            "python": platform.python_version()}
+
+
+def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str):
+    """Centralised evaluation of global arrays on the server's test split."""
+    model = model.to(device)
+    xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
+
+    def evaluate_fn(arrays: ArrayRecord) -> tuple[float, float]:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return evaluate(model, xt, yt)
+
+    return evaluate_fn
+
+
+def write_partition_stats(out_dir: Path, train: list[np.ndarray], labels: np.ndarray, num_classes: int) -> None:
+    """partitions.json and partitions.png: size and label histogram per client."""
+    from fedsim.data.stats import partition_stats, plot_partitions
+
+    stats = partition_stats(train, labels, num_classes)
+    (out_dir / "partitions.json").write_text(json.dumps(stats) + "\n")
+    plot_partitions(stats, out_dir / "partitions.png")
+
+
+def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = None) -> dict:
+    """Run the experiment ``cfg`` and write its outputs to ``out_dir``; return the summary."""
+    out_dir = Path(out_dir)
+    validate(cfg)
+    torch.set_num_threads(max(1, int(cfg.placement.threads_per_client)))
+    spec_json = build.client_spec(cfg, device=str(cfg.placement.device))
+    spec = json.loads(spec_json)
+    ds = build.build_dataset(spec)
+    train, _ = build.build_partitions(spec)
+    m = clients_per_round(cfg)
+    strategy = build.build_strategy(cfg, m)
+    clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
+    model = build.build_initial_model(spec)
+    server_device = build.resolve_device(str(cfg.placement.server_device))
+    evaluate_fn = make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device)
+    loop = LoopConfig(
+        seed=int(cfg.seed), num_clients=int(cfg.num_clients), num_rounds=int(cfg.num_rounds), clients_per_round=m,
+        min_replies=int(cfg.min_replies), round_timeout=float(cfg.round_timeout), eval_every=int(cfg.eval_every),
+        federated_eval=bool(cfg.federated_eval),
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_partition_stats(out_dir, train, ds.y_train, ds.num_classes)
+    state = RunState(arrays=ArrayRecord(model.state_dict()))
+    recorder = Recorder(out_dir, loop.num_rounds, quiet=bool(cfg.get("quiet", False)))
+
+    def server_main(grid) -> None:
+        run_sync(grid, loop, strategy, state, spec_json, evaluate_fn, clock, lambda rec, st: recorder.log(rec))
+
+    engine = str(cfg.engine.name)
+    status = "completed"
+    try:
+        if engine == "inprocess":
+            from fedsim.client_app import app as client_app
+            from fedsim.engines.inprocess import InProcessGrid
+
+            server_main(InProcessGrid(client_app, int(cfg.num_clients)))
+        elif engine == "ray":
+            from fedsim.engines import ray as ray_engine
+
+            backend = ray_engine.backend_config(
+                cfg.placement.num_cpus_per_client, cfg.placement.num_gpus_per_client,
+                address=cfg.engine.get("address"), num_cpus=cfg.engine.get("num_cpus"),
+                num_gpus=cfg.engine.get("num_gpus"),
+            )
+            ray_engine.run(int(cfg.num_clients), server_main, backend)
+        else:
+            raise ConfigError("engine", engine, "inprocess or ray (deployment runs through `flwr run`)")
+    except KeyboardInterrupt:
+        status = "interrupted"
+        log.warning("interrupted: writing the outputs of the rounds done so far")
+    except BaseException:
+        status = "failed"
+        raise
+    finally:
+        recorder.close()
+        if recorder.records:
+            atomic_torch_save(state.arrays.to_torch_state_dict(), out_dir / "model.pt")
+            recorder.plot(title=" ".join(f"{k}={v}" for k, v in (choices or {}).items()))
+        summary = recorder.summary({
+            "status": status, "engine": engine, "choices": choices or {},
+            "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
+        })
+        recorder.write_summary(summary)
+    return summary

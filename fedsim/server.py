@@ -1,0 +1,146 @@
+"""The synchronous server loop, shared by every engine.
+
+Per round: sample the cohort (seeded, by partition id), let the strategy build the train messages for a
+``SampledGrid`` view, send them, screen the replies (errors, NaN/Inf, wrong shapes are dropped and counted),
+aggregate in partition order, evaluate the global model on the server's test split, record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+
+from fedsim import keys
+from fedsim.clock import Heterogeneity
+from fedsim.errors import StopRun
+from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
+
+log = logging.getLogger("fedsim")
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """Knobs of the synchronous loop (plain values; no OmegaConf)."""
+
+    seed: int
+    num_clients: int
+    num_rounds: int
+    clients_per_round: int
+    min_replies: int = 1
+    round_timeout: float = 600.0
+    node_timeout: float = 300.0
+    eval_every: int = 1
+    federated_eval: bool = False
+
+
+@dataclass
+class RunState:
+    """What the loop carries from round to round (and what a checkpoint would hold)."""
+
+    arrays: ArrayRecord
+    round: int = 0
+    sim_time: float = 0.0
+
+
+def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]:
+    """Partition ids of round ``rnd``'s cohort: a seeded draw without replacement, sorted."""
+    rng = np.random.default_rng([seed, 1, rnd])
+    return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
+
+
+def _pid(rep: Message) -> int:
+    return int(rep.content[keys.METRICS][keys.PARTITION_ID])
+
+
+def run_sync(
+    grid: Grid,
+    loop: LoopConfig,
+    strategy,
+    state: RunState,
+    spec: str,
+    evaluate_fn: Callable[[ArrayRecord], tuple[float, float]],
+    clock: Heterogeneity,
+    on_round: Callable[[dict, RunState], None],
+) -> RunState:
+    """Run synchronous rounds until ``loop.num_rounds``; call ``on_round(record, state)`` after each."""
+    nodes = wait_for_nodes(grid, loop.num_clients, loop.node_timeout)
+    node_of = {pid: nid for pid, (nid, _) in discover(grid, nodes, spec, loop.node_timeout).items()}
+    missing = sorted(set(range(loop.num_clients)) - set(node_of))
+    if missing:
+        raise RuntimeError(f"no node answered for partition ids {missing[:10]}")
+    if state.round == 0:
+        loss, acc = evaluate_fn(state.arrays)
+        on_round({"round": 0, "sim_time": 0.0, "num_clients": 0, "eval_loss": loss, "eval_accuracy": acc}, state)
+
+    while state.round < loop.num_rounds:
+        rnd = state.round + 1
+        t0 = time.perf_counter()
+        cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
+        view = SampledGrid(grid, [node_of[p] for p in cohort])
+        config = ConfigRecord({keys.RUN_SPEC: spec})
+        try:
+            messages = list(strategy.configure_train(rnd, state.arrays, config, view))
+        except StopRun as stop:
+            log.warning("stopping before round %d: %s", rnd, stop)
+            break
+        replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout))
+        valid, failures = screen_replies(replies, state.arrays)
+        failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
+        valid.sort(key=_pid)
+        record: dict = {"round": rnd, "num_clients": len(valid), "failures": len(failures)}
+        if failures:
+            kinds = Counter(k for k, _ in failures)
+            record["failure_kinds"] = dict(kinds)
+            for kind, detail in {k: d for k, d in failures}.items():
+                log.warning("round %d: %d client(s) failed (%s): %s", rnd, kinds[kind], kind, detail)
+        durations = [
+            clock.duration(_pid(r), int(r.content[keys.METRICS].get(keys.EXAMPLES_PROCESSED, 0))) for r in valid
+        ]
+        state.sim_time += max(durations, default=0.0)
+        if len(valid) < loop.min_replies:
+            log.warning("round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies)
+            record["skipped"] = True
+        else:
+            try:
+                arrays, metrics = strategy.aggregate_train(rnd, valid)
+            except StopRun as stop:
+                log.warning("stopping at round %d: %s", rnd, stop)
+                break
+            if arrays is not None:
+                state.arrays = arrays
+            record.update(_metric_fields(metrics))
+        if loop.federated_eval and not record.get("skipped"):
+            record.update(_federated_eval(grid, strategy, rnd, state.arrays, spec, view, loop.round_timeout))
+        state.round = rnd
+        record["sim_time"] = state.sim_time
+        if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
+            record["eval_loss"], record["eval_accuracy"] = evaluate_fn(state.arrays)
+        record["round_time"] = time.perf_counter() - t0
+        on_round(record, state)
+    return state
+
+
+def _metric_fields(metrics: MetricRecord | None) -> dict:
+    """Aggregated train metrics as metrics.jsonl fields ('-' -> '_'), minus bookkeeping keys."""
+    if metrics is None:
+        return {}
+    skip = {keys.PARTITION_ID, keys.NUM_EXAMPLES, keys.NUM_STEPS, keys.EXAMPLES_PROCESSED}
+    return {k.replace("-", "_"): (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()
+            if k not in skip}
+
+
+def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
+    config = ConfigRecord({keys.RUN_SPEC: spec})
+    msgs = list(strategy.configure_evaluate(rnd, arrays, config, view))
+    replies = [r for r in grid.send_and_receive(msgs, timeout=timeout) if not r.has_error()]
+    agg = strategy.aggregate_evaluate(rnd, replies) if replies else None
+    if agg is None:
+        return {}
+    return {"fed_" + k.replace("-", "_"): float(v) for k, v in agg.items() if k != keys.NUM_EXAMPLES}

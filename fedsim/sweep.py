@@ -1,0 +1,89 @@
+"""Hydra callback that summarises a multirun: ``sweep_summary.csv`` and ``sweep.png`` in the sweep folder."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+COLUMNS = ("job", "overrides", "status", "final_eval_accuracy", "best_eval_accuracy", "rounds_done",
+           "sim_time", "wall_time", "error")
+
+
+def collect(sweep_dir: Path) -> list[dict]:
+    """One row per job folder under ``sweep_dir``: its overrides and the figures from its summary.json."""
+    rows = []
+    for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+        over_file = job / ".hydra" / "overrides.yaml"
+        overrides = " ".join(OmegaConf.load(over_file)) if over_file.exists() else ""
+        row: dict[str, Any] = {"job": int(job.name), "overrides": overrides}
+        summ = job / "summary.json"
+        if summ.exists():
+            s = json.loads(summ.read_text())
+            row.update({k: s.get(k) for k in COLUMNS if k in s})
+        else:
+            err = job / "error.txt"
+            row["status"] = "failed"
+            row["error"] = err.read_text().strip() if err.exists() else "no summary.json (the job failed)"
+        rows.append(row)
+    return rows
+
+
+def write_summary(sweep_dir: Path) -> list[dict]:
+    """Write sweep_summary.csv and sweep.png for ``sweep_dir``; return the rows."""
+    rows = collect(sweep_dir)
+    with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k, "") for k in COLUMNS})
+    plot_sweep(sweep_dir, rows)
+    return rows
+
+
+def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
+    """sweep.png: each run's accuracy against round and against simulated time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    for r in rows:
+        path = sweep_dir / str(r["job"]) / "metrics.jsonl"
+        if not path.exists():
+            continue
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        ev = [x for x in recs if x.get("eval_accuracy") is not None]
+        label = r["overrides"] or f"job {r['job']}"
+        axes[0].plot([x["round"] for x in ev], [x["eval_accuracy"] for x in ev], label=label)
+        axes[1].plot([x.get("sim_time", 0) for x in ev], [x["eval_accuracy"] for x in ev], label=label)
+    axes[0].set(xlabel="round", ylabel="eval accuracy")
+    axes[1].set(xlabel="simulated time (s)", ylabel="eval accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    if rows:
+        axes[1].legend(fontsize=7, loc="lower right")
+    fig.savefig(sweep_dir / "sweep.png", dpi=100)
+    plt.close(fig)
+
+
+class SweepSummary(Callback):
+    """Writes the sweep summary when a multirun ends; records a failed job's error in its folder."""
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:  # noqa: D102
+        from hydra.core.utils import JobStatus
+
+        if getattr(job_return, "status", None) == JobStatus.FAILED and job_return.working_dir:
+            err = job_return._return_value
+            Path(job_return.working_dir, "error.txt").write_text(f"{type(err).__name__}: {err}\n")
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.exists():
+            rows = write_summary(sweep_dir)
+            print(f"fedsim: sweep summary of {len(rows)} runs in {sweep_dir / 'sweep_summary.csv'}")

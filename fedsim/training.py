@@ -1,0 +1,113 @@
+"""Local training and evaluation in plain PyTorch (no Flower here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "asgd")
+
+
+@dataclass(frozen=True)
+class LocalTraining:
+    """How a client trains locally; one frozen copy travels with the run spec.
+
+    ``local_steps > 0`` overrides ``local_epochs``. ``batch_size = 0`` means full batch (FedSGD).
+    """
+
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    local_epochs: int = 1
+    local_steps: int = 0
+    batch_size: int = 32
+
+
+def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:
+    """Return the configured torch optimiser over ``params``."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer in ("momentum", "nesterov"):
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov",
+            weight_decay=cfg.weight_decay,
+        )
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "asgd":
+        # t0=0: Polyak averaging of every iterate from the first step on
+        return torch.optim.ASGD(params, lr=cfg.lr, t0=0, lambd=0.0, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; allowed: {OPTIMIZERS}")
+
+
+def num_local_steps(n: int, cfg: LocalTraining) -> int:
+    """Number of optimiser steps a client with ``n`` examples takes."""
+    if cfg.local_steps > 0:
+        return cfg.local_steps
+    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
+    return cfg.local_epochs * -(-n // bs)
+
+
+def train_local(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    cfg: LocalTraining,
+    generator: torch.Generator,
+    proximal_mu: float = 0.0,
+) -> tuple[float, int, int]:
+    """Train ``model`` in place on ``(x, y)``.
+
+    Returns ``(mean train loss, optimiser steps, examples processed)``. With ``proximal_mu > 0`` the loss gets
+    FedProx's ``mu/2 * ||w - w_start||^2``. With ``asgd`` the model ends at the averaged iterate.
+    """
+    n = x.shape[0]
+    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
+    steps = num_local_steps(n, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
+    opt = make_optimizer(params, cfg)
+    model.train()
+    total, done, seen = 0.0, 0, 0
+    while done < steps:
+        order = torch.randperm(n, generator=generator).to(x.device)  # one pass over the data
+        for start in range(0, n, bs):
+            if done == steps:
+                break
+            idx = order[start : start + bs]
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            total += float(loss.detach())
+            if anchor is not None:
+                prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
+                loss = loss + 0.5 * proximal_mu * prox
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            done += 1
+            seen += idx.numel()
+    if cfg.optimizer == "asgd":
+        with torch.no_grad():
+            for p in params:
+                ax = opt.state[p].get("ax")
+                if ax is not None:
+                    p.copy_(ax)
+    return total / max(done, 1), done, seen
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
+    """Return ``(mean cross-entropy, accuracy)`` of ``model`` on ``(x, y)``."""
+    model.eval()
+    n = x.shape[0]
+    if n == 0:
+        return float("nan"), float("nan")
+    loss, correct = 0.0, 0
+    for s in range(0, n, batch_size):
+        out = model(x[s : s + batch_size])
+        loss += float(F.cross_entropy(out, y[s : s + batch_size], reduction="sum"))
+        correct += int((out.argmax(1) == y[s : s + batch_size]).sum())
+    return loss / n, correct / n
