@@ -1,0 +1,7 @@
+"""Data: builders that return a :class:`Dataset`, partitioners (:mod:`fedsim.data.partition`) and stats."""
+
+from fedsim.data.base import Dataset
+from fedsim.data.partition import split_train_val
+from fedsim.data.stats import partition_stats, plot_partitions
+
+__all__ = ["Dataset", "partition_stats", "plot_partitions", "split_train_val"]

@@ -35,13 +35,15 @@ def stratified_split(
         Sorted ``int64`` train and test indices.
     """
     labels = np.asarray(labels)
-    ok = isinstance(test_fraction, (int, float, np.integer, np.floating)) and not isinstance(test_fraction, bool)
+    ok = isinstance(test_fraction, (int, float, np.integer, np.floating)) and not isinstance(
+        test_fraction, bool
+    )
     if not ok or not 0 < test_fraction < 1:
         raise ConfigError("test_fraction", test_fraction, "a number in (0, 1)")
     test = []
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
-        n_test = min(max(int(math.floor(test_fraction * idx.size + 0.5)), 1), idx.size - 1)
+        n_test = min(max(math.floor(test_fraction * idx.size + 0.5), 1), idx.size - 1)
         test.append(idx[:n_test])
     test_idx = np.sort(np.concatenate(test)).astype(np.int64)
     train_mask = np.ones(labels.size, dtype=bool)

@@ -86,7 +86,12 @@ def synthetic(
     _check("num_users", num_users, _is_int(num_users) and num_users >= 1, "an integer >= 1")
     _check("dim", dim, _is_int(dim) and dim >= 1, "an integer >= 1")
     _check("num_classes", num_classes, _is_int(num_classes) and num_classes >= 2, "an integer >= 2")
-    _check("test_fraction", test_fraction, _is_num(test_fraction) and 0 <= test_fraction < 1, "a number in [0, 1)")
+    _check(
+        "test_fraction",
+        test_fraction,
+        _is_num(test_fraction) and 0 <= test_fraction < 1,
+        "a number in [0, 1)",
+    )
 
     rng = np.random.default_rng(seed)
     k, d, c = int(num_users), int(dim), int(num_classes)

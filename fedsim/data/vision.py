@@ -20,7 +20,12 @@ from fedsim.errors import ConfigError, DataNotFoundError
 __all__ = ["FASHION_MNIST_ROOT", "load_cifar10", "load_fashion_mnist", "load_mnist", "read_idx"]
 
 FASHION_MNIST_ROOT = "/usr/share/datasets/fashion-mnist"  # where the Debian package installs it
-_IDX_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+_IDX_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
 _CIFAR_FILES = tuple(f"data_batch_{i}" for i in range(1, 6)) + ("test_batch",)
 # Mean and std of the training pixels in [0, 1] (one value per channel).
 _MNIST_NORM = ((0.1307,), (0.3081,))
@@ -65,7 +70,9 @@ def _root(root: str | Path) -> Path:
 
 
 def _check_cap(key: str, value: object) -> int | None:
-    if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1):
+    if value is not None and (
+        not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1
+    ):
         raise ConfigError(key, value, "null (all examples) or an integer >= 1")
     return None if value is None else int(value)
 
@@ -103,7 +110,9 @@ def _load_idx_set(name, root, seed, max_train, max_test, subdir, norm, how) -> D
     caps = _check_cap("max_train", max_train), _check_cap("max_test", max_test)
     files = _find_idx(folder, subdir)
     if files is None:
-        expected = ", ".join(f"{f}[.gz]" for f in _IDX_FILES) + f" (directly in {folder} or in its raw/ folder)"
+        expected = (
+            ", ".join(f"{f}[.gz]" for f in _IDX_FILES) + f" (directly in {folder} or in its raw/ folder)"
+        )
         raise DataNotFoundError("root", str(folder), expected, how)
     rng = np.random.default_rng(seed)
     out = {}
@@ -112,7 +121,10 @@ def _load_idx_set(name, root, seed, max_train, max_test, subdir, norm, how) -> D
         labels = read_idx(files[f"{split}-labels-idx1-ubyte"])
         if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
             raise ConfigError(
-                "root", str(folder), "matching image (n, 28, 28) and label (n,) IDX files", f"Check the {split} files."
+                "root",
+                str(folder),
+                "matching image (n, 28, 28) and label (n,) IDX files",
+                f"Check the {split} files.",
             )
         keep = _subsample(len(labels), cap, rng)
         out[split] = (_normalise(images[keep][:, None], norm), labels[keep].astype(np.int64))
@@ -189,7 +201,10 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     labels = np.asarray(batch["labels"], dtype=np.int64)
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
         raise ConfigError(
-            "root", str(path.parent), "CIFAR-10 batches with data of shape (n, 3072)", f"{path.name} is not one."
+            "root",
+            str(path.parent),
+            "CIFAR-10 batches with data of shape (n, 3072)",
+            f"{path.name} is not one.",
         )
     return data.reshape(-1, 3, 32, 32), labels
 
@@ -214,12 +229,15 @@ def load_cifar10(root: str, seed: int, max_train: int | None = None, max_test: i
     """
     base = _root(root)
     caps = _check_cap("max_train", max_train), _check_cap("max_test", max_test)
-    folder = next((f for f in (base, base / "cifar-10-batches-py") if all((f / n).is_file() for n in _CIFAR_FILES)), None)
+    folder = next(
+        (f for f in (base, base / "cifar-10-batches-py") if all((f / n).is_file() for n in _CIFAR_FILES)),
+        None,
+    )
     if folder is None:
         expected = ", ".join(_CIFAR_FILES) + f" (in {base} or in {base / 'cifar-10-batches-py'})"
         how = (
             "Download cifar-10-python.tar.gz from www.cs.toronto.edu/~kriz/cifar.html and unpack it there with "
-            "f"`tar xzf cifar-10-python.tar.gz -C {base}`, or point dataset.root (or FEDSIM_DATA) at it."
+            f"`tar xzf cifar-10-python.tar.gz -C {base}`, or point dataset.root (or FEDSIM_DATA) at it."
         )
         raise DataNotFoundError("root", str(base), expected, how)
     train = [_read_cifar_batch(folder / n) for n in _CIFAR_FILES[:-1]]
