@@ -39,14 +39,18 @@ def _clean(v: Any) -> Any:
 class Recorder:
     """Collects one record per round (or server model version) and writes the run folder."""
 
-    def __init__(self, out_dir: Path, num_rounds: int, quiet: bool = False) -> None:
+    def __init__(self, out_dir: Path, num_rounds: int, quiet: bool = False, records: list[dict] | None = None):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.num_rounds = num_rounds
         self.quiet = quiet
-        self.records: list[dict] = []
-        self.t0 = time.perf_counter()
-        self._metrics = open(self.out_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self.records: list[dict] = list(records or [])  # a resumed run starts with the rounds already done
+        offset = self.records[-1]["wall_time"] if self.records else 0.0
+        self.t0 = time.perf_counter() - offset
+        self._metrics = open(self.out_dir / "metrics.jsonl", "w", encoding="utf-8")
+        for r in self.records:
+            self._metrics.write(json.dumps(r) + "\n")
+        self._metrics.flush()
 
     def log(self, record: dict) -> None:
         """Append one record to metrics.jsonl (flushed at once) and print the progress line."""

@@ -12,7 +12,7 @@ import torch
 from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
-from fedsim import __version__, build
+from fedsim import __version__, build, checkpoint
 from fedsim.errors import ConfigError
 from fedsim.recorder import Recorder, atomic_torch_save
 from fedsim.server import LoopConfig, RunState, run_sync
@@ -51,8 +51,11 @@ def write_partition_stats(out_dir: Path, train: list[np.ndarray], labels: np.nda
     plot_partitions(stats, out_dir / "partitions.png")
 
 
-def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = None) -> dict:
-    """Run the experiment ``cfg`` and write its outputs to ``out_dir``; return the summary."""
+def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = None, grid=None) -> dict:
+    """Run the experiment ``cfg`` and write its outputs to ``out_dir``; return the summary.
+
+    ``grid`` is given by a deployed ServerApp (the SuperLink's Grid); otherwise ``cfg.engine`` picks the engine.
+    """
     out_dir = Path(out_dir)
     validate(cfg)
     torch.set_num_threads(max(1, int(cfg.placement.threads_per_client)))
@@ -74,15 +77,34 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     write_partition_stats(out_dir, train, ds.y_train, ds.num_classes)
     state = RunState(arrays=ArrayRecord(model.state_dict()))
-    recorder = Recorder(out_dir, loop.num_rounds, quiet=bool(cfg.get("quiet", False)))
+    records: list[dict] = []
+    if cfg.get("resume"):
+        ckpt = checkpoint.load(cfg.resume)
+        strategy = checkpoint.restore(ckpt, state, strategy)
+        records = ckpt["records"]
+        log.warning("resuming from %s at round %d", cfg.resume, state.round)
+    recorder = Recorder(out_dir, loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records)
+    every = int(cfg.get("checkpoint_every") or 0)
+    ckpt_path = out_dir / "checkpoint.pt"
+
+    def on_round(record: dict, st: RunState) -> None:
+        recorder.log(record)
+        if every and st.round > 0 and (st.round % every == 0 or st.round == loop.num_rounds):
+            checkpoint.save(ckpt_path, st, strategy, recorder.records)
+
+    server_loop = run_sync
+    if getattr(strategy, "is_async", False):
+        from fedsim.async_server import run_async as server_loop
 
     def server_main(grid) -> None:
-        run_sync(grid, loop, strategy, state, spec_json, evaluate_fn, clock, lambda rec, st: recorder.log(rec))
+        server_loop(grid, loop, strategy, state, spec_json, evaluate_fn, clock, on_round)
 
-    engine = str(cfg.engine.name)
+    engine = "deployment" if grid is not None else str(cfg.engine.name)
     status = "completed"
     try:
-        if engine == "inprocess":
+        if grid is not None:
+            server_main(grid)
+        elif engine == "inprocess":
             from fedsim.client_app import app as client_app
             from fedsim.engines.inprocess import InProcessGrid
 
@@ -100,7 +122,8 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
             raise ConfigError("engine", engine, "inprocess or ray (deployment runs through `flwr run`)")
     except KeyboardInterrupt:
         status = "interrupted"
-        log.warning("interrupted: writing the outputs of the rounds done so far")
+        log.warning("interrupted: writing a checkpoint and the outputs of the %d rounds done", state.round)
+        checkpoint.save(ckpt_path, state, strategy, recorder.records)
     except BaseException:
         status = "failed"
         raise

@@ -11,7 +11,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -47,12 +47,29 @@ class RunState:
     arrays: ArrayRecord
     round: int = 0
     sim_time: float = 0.0
+    extra: dict = field(default_factory=dict)  # loop-specific state (e.g. the async loop's bookkeeping)
 
 
 def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]:
     """Partition ids of round ``rnd``'s cohort: a seeded draw without replacement, sorted."""
     rng = np.random.default_rng([seed, 1, rnd])
     return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
+
+
+def connect(grid: Grid, loop: LoopConfig, spec: str) -> dict[int, int]:
+    """Wait for ``loop.num_clients`` nodes and map each partition id to its node id."""
+    nodes = wait_for_nodes(grid, loop.num_clients, loop.node_timeout)
+    node_of = {pid: nid for pid, (nid, _) in discover(grid, nodes, spec, loop.node_timeout).items()}
+    missing = sorted(set(range(loop.num_clients)) - set(node_of))
+    if missing:
+        raise RuntimeError(f"no node answered for partition ids {missing[:10]}")
+    return node_of
+
+
+def record_initial(state: RunState, evaluate_fn, on_round) -> None:
+    """Evaluate and record the initial global model as round 0."""
+    loss, acc = evaluate_fn(state.arrays)
+    on_round({"round": 0, "sim_time": 0.0, "num_clients": 0, "eval_loss": loss, "eval_accuracy": acc}, state)
 
 
 def _pid(rep: Message) -> int:
@@ -70,14 +87,9 @@ def run_sync(
     on_round: Callable[[dict, RunState], None],
 ) -> RunState:
     """Run synchronous rounds until ``loop.num_rounds``; call ``on_round(record, state)`` after each."""
-    nodes = wait_for_nodes(grid, loop.num_clients, loop.node_timeout)
-    node_of = {pid: nid for pid, (nid, _) in discover(grid, nodes, spec, loop.node_timeout).items()}
-    missing = sorted(set(range(loop.num_clients)) - set(node_of))
-    if missing:
-        raise RuntimeError(f"no node answered for partition ids {missing[:10]}")
+    node_of = connect(grid, loop, spec)
     if state.round == 0:
-        loss, acc = evaluate_fn(state.arrays)
-        on_round({"round": 0, "sim_time": 0.0, "num_clients": 0, "eval_loss": loss, "eval_accuracy": acc}, state)
+        record_initial(state, evaluate_fn, on_round)
 
     while state.round < loop.num_rounds:
         rnd = state.round + 1

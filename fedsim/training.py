@@ -39,8 +39,8 @@ def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "asgd":
-        # t0=0: Polyak averaging of every iterate from the first step on
-        return torch.optim.ASGD(params, lr=cfg.lr, t0=0, lambd=0.0, weight_decay=cfg.weight_decay)
+        # averaged SGD: plain SGD steps; train_local keeps the Polyak average of the iterates
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; allowed: {OPTIMIZERS}")
 
 
@@ -63,7 +63,8 @@ def train_local(
     """Train ``model`` in place on ``(x, y)``.
 
     Returns ``(mean train loss, optimiser steps, examples processed)``. With ``proximal_mu > 0`` the loss gets
-    FedProx's ``mu/2 * ||w - w_start||^2``. With ``asgd`` the model ends at the averaged iterate.
+    FedProx's ``mu/2 * ||w - w_start||^2``. With ``asgd`` the model ends at the average of the
+    iterates after each step (Polyak-Ruppert averaging).
     """
     n = x.shape[0]
     bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
@@ -71,6 +72,7 @@ def train_local(
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, cfg)
+    average = [p.detach().clone() for p in params] if cfg.optimizer == "asgd" else None
     model.train()
     total, done, seen = 0.0, 0, 0
     while done < steps:
@@ -89,12 +91,14 @@ def train_local(
             opt.step()
             done += 1
             seen += idx.numel()
-    if cfg.optimizer == "asgd":
+            if average is not None:  # running mean of the iterates after steps 1..done
+                with torch.no_grad():
+                    for a, p in zip(average, params):
+                        a.add_(p - a, alpha=1.0 / done)
+    if average is not None:
         with torch.no_grad():
-            for p in params:
-                ax = opt.state[p].get("ax")
-                if ax is not None:
-                    p.copy_(ax)
+            for a, p in zip(average, params):
+                p.copy_(a)
     return total / max(done, 1), done, seen
 
 

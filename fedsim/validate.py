@@ -64,6 +64,7 @@ def validate(cfg: DictConfig) -> None:
     _num(cfg, "val_fraction", 0.0, 1.0, hi_open=True)
     _num(cfg, "round_timeout", 0.0, lo_open=True)
     _int(cfg, "eval_every", 1)
+    _int(cfg, "checkpoint_every", 0, what="an integer >= 0 (0: no periodic checkpoints)")
     c = cfg.client
     if c.optimizer not in OPTIMIZERS:
         raise ConfigError("client.optimizer", c.optimizer, f"one of {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,21 @@
+"""The ray engine (Flower's simulation engine) runs the same apps and gives the same result as inprocess."""
+
+import pytest
+import torch
+from conftest import read_metrics, run_tiny, without_wall_time
+
+
+@pytest.mark.slow
+def test_ray_engine_matches_inprocess(tmp_path):
+    over = ["seed=2", "num_rounds=3", "placement.num_cpus_per_client=1"]
+    run_tiny(tmp_path / "inproc", *over)
+    summary = run_tiny(tmp_path / "ray", "engine=ray", *over)
+    assert summary["engine"] == "ray" and summary["rounds_done"] == 3
+    a, b = read_metrics(tmp_path / "inproc"), read_metrics(tmp_path / "ray")
+    for ra, rb in zip(without_wall_time(a), without_wall_time(b), strict=True):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-7), (ra["round"], k)
+    ma, mb = torch.load(tmp_path / "inproc" / "model.pt"), torch.load(tmp_path / "ray" / "model.pt")
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-6, atol=1e-7)
