@@ -156,8 +156,11 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
 
 def build_strategy(cfg: DictConfig, clients_per_round: int):
     """The server strategy from ``strategy=``, wrapped by ``clipping=`` when one is chosen."""
+    # fedsim samples the cohort itself and hands the strategy a view holding only the sampled nodes, so the
+    # strategy must send to all of them; federated evaluation uses the same cohort when it is switched on.
     strategy = _instantiate(
-        "strategy", cfg.strategy, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1, min_evaluate_nodes=1
+        "strategy", cfg.strategy, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1,
+        fraction_evaluate=1.0 if cfg.get("federated_eval") else 0.0, min_evaluate_nodes=1,
     )
     if getattr(strategy, "check_cohort", None):
         try:

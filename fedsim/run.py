@@ -13,6 +13,7 @@ from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
 from fedsim import __version__, build, checkpoint
+from fedsim.engines import LOCAL_ENGINES, local_grid
 from fedsim.errors import ConfigError
 from fedsim.recorder import Recorder, atomic_torch_save
 from fedsim.server import LoopConfig, RunState, run_sync
@@ -104,11 +105,8 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     try:
         if grid is not None:
             server_main(grid)
-        elif engine == "inprocess":
-            from fedsim.client_app import app as client_app
-            from fedsim.engines.inprocess import InProcessGrid
-
-            server_main(InProcessGrid(client_app, int(cfg.num_clients)))
+        elif engine in LOCAL_ENGINES:
+            server_main(local_grid(engine, int(cfg.num_clients), OmegaConf.to_container(cfg.engine, resolve=True)))
         elif engine == "ray":
             from fedsim.engines import ray as ray_engine
 
@@ -119,7 +117,7 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
             )
             ray_engine.run(int(cfg.num_clients), server_main, backend)
         else:
-            raise ConfigError("engine", engine, "inprocess or ray (deployment runs through `flwr run`)")
+            raise ConfigError("engine", engine, f"one of {', '.join((*LOCAL_ENGINES, 'ray'))}")
     except KeyboardInterrupt:
         status = "interrupted"
         log.warning("interrupted: writing a checkpoint and the outputs of the %d rounds done", state.round)

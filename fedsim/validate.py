@@ -10,10 +10,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from fedsim.engines import LOCAL_ENGINES
 from fedsim.errors import ConfigError
 from fedsim.training import OPTIMIZERS
 
-ENGINES = ("inprocess", "ray")
 
 
 def _int(cfg: DictConfig, key: str, lo: int, hi: int | None = None, what: str = "") -> int:
@@ -75,8 +75,9 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "client.local_steps", 0)
     if c.local_steps == 0:
         _int(cfg, "client.local_epochs", 1, what="an integer >= 1 (or set client.local_steps)")
-    if cfg.engine.name not in ENGINES:
-        raise ConfigError("engine.name", cfg.engine.name, f"one of {', '.join(ENGINES)}")
+    engines = (*LOCAL_ENGINES, "ray")
+    if cfg.engine.name not in engines:
+        raise ConfigError("engine.name", cfg.engine.name, f"one of {', '.join(engines)}")
     p = cfg.placement
     for key in ("device", "server_device"):
         dev = str(p[key])

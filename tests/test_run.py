@@ -123,3 +123,11 @@ def test_fedsgd_round_equals_centralised_gradient_step(tmp_path):
 def test_client_optimizers_run_end_to_end(tmp_path, opt):
     summary = run_tiny(tmp_path, f"client={opt}")
     assert summary["rounds_done"] == 2 and summary["total_failures"] == 0
+
+
+def test_federated_evaluation_records_client_metrics(tmp_path):
+    run_tiny(tmp_path, "federated_eval=true", "val_fraction=0.3")
+    recs = read_metrics(tmp_path)[1:]
+    assert all(0.0 <= r["fed_eval_accuracy"] <= 1.0 and r["fed_eval_loss"] > 0 for r in recs)
+    run_tiny(tmp_path / "off")
+    assert "fed_eval_accuracy" not in read_metrics(tmp_path / "off")[-1]
