@@ -20,11 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
+from fedsim.faults import FaultRates
 from fedsim.models import build_model
 from fedsim.training import LocalTraining
 
 # Config sections a client needs to rebuild its task; they travel as JSON in every train message.
-CLIENT_SPEC_KEYS = ("seed", "num_clients", "val_fraction", "dataset", "partitioner", "model", "client")
+CLIENT_SPEC_KEYS = ("seed", "num_clients", "val_fraction", "dataset", "partitioner", "model", "client", "faults")
 
 
 def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
@@ -45,7 +46,7 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
 def client_spec(cfg: DictConfig, device: str) -> str:
     """The JSON client spec for a composed run config."""
     spec = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
-            for k in CLIENT_SPEC_KEYS}
+            for k in CLIENT_SPEC_KEYS if k in cfg}
     spec["device"] = device
     spec["threads"] = int(cfg.placement.threads_per_client)
     return json.dumps(spec, sort_keys=True)
@@ -127,6 +128,13 @@ class ClientTask:
     local: LocalTraining
     seed: int
     device: str
+    faults: FaultRates | None = None
+
+
+def fault_rates(spec: dict) -> FaultRates | None:
+    """Injected-fault rates from the ``faults`` section (None when all are zero)."""
+    rates = FaultRates(**(spec.get("faults") or {}))
+    return rates if any(vars(rates).values()) else None
 
 
 _MODELS: dict[tuple[str, str], torch.nn.Module] = {}
@@ -151,7 +159,8 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
         return (torch.as_tensor(ds.x_train[idx], device=device), torch.as_tensor(ds.y_train[idx], device=device))
 
     (xt, yt), (xv, yv) = tensors(t), tensors(v)
-    return ClientTask(partition_id, _MODELS[mkey], xt, yt, xv, yv, local_training(spec), int(spec["seed"]), device)
+    return ClientTask(partition_id, _MODELS[mkey], xt, yt, xv, yv, local_training(spec), int(spec["seed"]), device,
+                      fault_rates(spec))
 
 
 def build_strategy(cfg: DictConfig, clients_per_round: int):

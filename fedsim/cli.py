@@ -54,8 +54,51 @@ def _hydra_main(cfg: DictConfig) -> dict | None:
     return _task(cfg)
 
 
+def _all_keys(node, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in node.items():
+        path = f"{prefix}{k}"
+        keys.append(path)
+        if isinstance(v, DictConfig):
+            keys += _all_keys(v, path + ".")
+    return keys
+
+
+def unknown_key(argv: list[str]) -> str | None:
+    """A message for the first ``key=value`` override whose key is not in the config, with the closest key."""
+    import difflib
+    from importlib.resources import files
+
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    overrides = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~", "hydra.", "hydra/"))]
+    conf = files("fedsim.conf")
+    groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    picks = [o.split(",")[0] for o in overrides if o.split("=", 1)[0] in groups]
+    try:
+        with initialize_config_module(config_module="fedsim.conf", version_base=None):
+            cfg = compose(config_name="config", overrides=picks)
+    except Exception:  # an unknown group option: Hydra's own message lists the options
+        return None
+    known = _all_keys(cfg)
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if key in groups or OmegaConf.select(cfg, key, default="__missing__") != "__missing__":
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return (f"unknown config key '{key}'{hint}; `fedsim --cfg job` prints every key "
+                f"(use +{key}=... to add a new one on purpose)")
+    return None
+
+
 def main() -> None:
     """Console entry point (``fedsim``)."""
+    msg = unknown_key(sys.argv[1:])
+    if msg:
+        print(f"fedsim: config error: {msg}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
     _hydra_main()
 
 

@@ -15,6 +15,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
+from fedsim.faults import SimulatedTimeout
 from fedsim.training import evaluate, train_local
 
 app = ClientApp()
@@ -71,8 +72,27 @@ def train(msg: Message, context: Context) -> Message:
         metrics[keys.UPDATE_NORM] = norm
         metrics[keys.CLIPPED] = float(clipped)
     state = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
+    if task.faults is not None:
+        state = _inject(task, rnd, state)
     content = RecordDict({keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)})
     return Message(content, reply_to=msg)
+
+
+def _inject(task: ClientTask, rnd: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Apply the seeded injected fault of this task, if any (see ``fedsim.faults``)."""
+    kind = task.faults.draw(task.seed, rnd, task.partition_id)
+    if kind == "error":
+        raise RuntimeError(f"injected client error (partition {task.partition_id}, round {rnd})")
+    if kind == "timeout":
+        raise SimulatedTimeout(f"injected timeout (partition {task.partition_id}, round {rnd})")
+    first = next(iter(state))
+    if kind == "nan":
+        state = {**state, first: torch.full_like(state[first], float("nan"))}
+    elif kind == "shape":
+        state = {**state, first: state[first].reshape(-1)[:-1].clone()}
+    elif kind == "dtype":
+        state = {k: v.double() for k, v in state.items()}
+    return state
 
 
 @app.evaluate()

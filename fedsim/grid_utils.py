@@ -89,14 +89,17 @@ def screen_replies(
 ) -> tuple[list[Message], list[tuple[str, str]]]:
     """Split train replies into valid ones and failures ``(kind, detail)``.
 
-    A reply fails if it is an error, lacks arrays or metrics, has arrays whose keys, shapes or dtypes differ
-    from ``reference``, or holds NaN/Inf in its arrays or train loss.
+    A reply fails if it is an error (kind ``error``, or ``timeout`` for a simulated one), lacks arrays or metrics
+    (``malformed``), has arrays whose keys or shapes (``shape``) or dtypes (``dtype``) differ from ``reference``,
+    or holds NaN/Inf in its arrays or train loss (``nonfinite``).
     """
     ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
     valid, failures = [], []
     for rep in replies:
         if rep.has_error():
-            failures.append(("error", first_line(rep.error.reason)))
+            reason = str(rep.error.reason)
+            kind = "timeout" if "SimulatedTimeout" in reason else "error"
+            failures.append((kind, first_line(reason)))
             continue
         c = rep.content
         if keys.ARRAYS not in c or keys.METRICS not in c:
@@ -104,8 +107,11 @@ def screen_replies(
             continue
         arrs = c[keys.ARRAYS]
         got = {k: (tuple(a.shape), a.dtype) for k, a in arrs.items()}
+        if {k: s for k, (s, _) in got.items()} != {k: s for k, (s, _) in ref.items()}:
+            failures.append(("shape", "arrays differ from the global model in keys or shapes"))
+            continue
         if got != ref:
-            failures.append(("shape", "arrays differ from the global model in keys, shapes or dtypes"))
+            failures.append(("dtype", "arrays differ from the global model in dtype"))
             continue
         loss = c[keys.METRICS].get(keys.TRAIN_LOSS, 0.0)
         if not math.isfinite(float(loss)) or not all(np.isfinite(a.numpy()).all() for a in arrs.values()):

@@ -62,6 +62,7 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     torch.set_num_threads(max(1, int(cfg.placement.threads_per_client)))
     spec_json = build.client_spec(cfg, device=str(cfg.placement.device))
     spec = json.loads(spec_json)
+    build.fault_rates(spec)  # validates the faults group before any work
     ds = build.build_dataset(spec)
     train, _ = build.build_partitions(spec)
     m = clients_per_round(cfg)

@@ -55,7 +55,9 @@ def test_cli_unknown_option_is_refused(tmp_path):
     assert res.returncode != 0
     assert "nosuch" in res.stderr and "Traceback" not in res.stderr
     res = fedsim("num_clientz=3", cwd=tmp_path)
-    assert res.returncode != 0 and "num_clientz" in res.stderr
+    assert res.returncode == 2 and "unknown config key 'num_clientz' (did you mean 'num_clients'?)" in res.stderr
+    res = fedsim("client.lrr=0.1", cwd=tmp_path)
+    assert res.returncode == 2 and "did you mean 'client.lr'?" in res.stderr
 
 
 def test_cli_multirun_writes_sweep_summary(tmp_path):

@@ -1,0 +1,49 @@
+"""Seeded fault injection for clients (the ``faults=`` group): exercise fedsim's failure handling.
+
+Each train task of client ``k`` in round ``r`` draws one uniform number from ``(seed, 9, r, k)``; the rates
+partition [0, 1) into the fault kinds below (the rest is no fault), so the same seed injects the same faults
+on every engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fedsim.errors import ConfigError
+
+KINDS = ("error", "timeout", "nan", "shape", "dtype")
+
+
+class SimulatedTimeout(RuntimeError):
+    """A client that did not answer in time (raised by the fault injector; counted as kind ``timeout``)."""
+
+
+@dataclass(frozen=True)
+class FaultRates:
+    """Per-task probabilities of each fault kind."""
+
+    error: float = 0.0  # the ClientApp raises
+    timeout: float = 0.0  # the client never answers in time
+    nan: float = 0.0  # the update holds NaN
+    shape: float = 0.0  # one array comes back with the wrong shape
+    dtype: float = 0.0  # the arrays come back as float64
+
+    def __post_init__(self) -> None:
+        for k in KINDS:
+            v = getattr(self, k)
+            if not 0.0 <= v <= 1.0:
+                raise ConfigError(f"faults.{k}", v, "a probability in [0, 1]")
+        if sum(getattr(self, k) for k in KINDS) > 1.0:
+            raise ConfigError("faults", {k: getattr(self, k) for k in KINDS}, "rates that sum to at most 1")
+
+    def draw(self, seed: int, rnd: int, partition_id: int) -> str | None:
+        """The fault kind for this task, or None."""
+        u = np.random.default_rng([seed, 9, rnd, partition_id]).random()
+        edge = 0.0
+        for k in KINDS:
+            edge += getattr(self, k)
+            if u < edge:
+                return k
+        return None

@@ -1,0 +1,52 @@
+"""Client faults: each kind is dropped from its round, counted by kind, logged once per kind and round."""
+
+import logging
+from collections import Counter
+
+import pytest
+from conftest import read_metrics, run_tiny
+
+from fedsim.errors import ConfigError
+from fedsim.faults import FaultRates
+
+RATES = {"error": 0.2, "timeout": 0.1, "nan": 0.1, "shape": 0.1, "dtype": 0.1}
+KIND_OF = {"error": "error", "timeout": "timeout", "nan": "nonfinite", "shape": "shape", "dtype": "dtype"}
+
+
+def test_every_fault_kind_is_dropped_and_counted(tmp_path, caplog):
+    over = ["num_clients=10", "clients_per_round=10", "num_rounds=3", "faults=mixed", "partitioner=iid"]
+    over += [f"faults.{k}={v}" for k, v in RATES.items()]
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        summary = run_tiny(tmp_path, *over)
+    rates = FaultRates(**RATES)
+    recs = read_metrics(tmp_path)[1:]
+    assert summary["rounds_done"] == 3
+    seen = Counter()
+    for r in recs:
+        expected = Counter(KIND_OF[k] for pid in range(10) if (k := rates.draw(0, r["round"], pid)))
+        assert r.get("failure_kinds", {}) == dict(expected), r["round"]
+        assert r["num_clients"] == 10 - sum(expected.values())
+        assert r["eval_accuracy"] is not None  # the round went on
+        seen.update(expected)
+        warnings = [m for m in caplog.messages if m.startswith(f"round {r['round']}:")]
+        assert len(warnings) == len(expected)  # one line per kind and round, not one per client
+    assert len(seen) >= 4  # the draw exercised most kinds
+    assert not any("Traceback" in m for m in caplog.messages)
+
+
+def test_round_below_quorum_is_skipped_and_run_goes_on(tmp_path):
+    summary = run_tiny(tmp_path, "num_clients=10", "clients_per_round=10", "num_rounds=3", "min_replies=10",
+                       "faults=mixed", "faults.error=0.3")
+    recs = read_metrics(tmp_path)
+    skipped = [r for r in recs[1:] if r.get("skipped")]
+    assert skipped and summary["rounds_done"] == 3
+    first = skipped[0]["round"]
+    # a skipped round leaves the global model as it was
+    assert recs[first]["eval_accuracy"] == recs[first - 1]["eval_accuracy"]
+
+
+@pytest.mark.parametrize("over, key", [(["faults.error=1.5"], "faults.error"),
+                                       (["faults.error=0.6", "faults.nan=0.6"], "faults")])
+def test_bad_fault_rates_are_config_errors(tmp_path, over, key):
+    with pytest.raises(ConfigError, match=key):
+        run_tiny(tmp_path, "faults=mixed", *over)
