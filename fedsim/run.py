@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 from pathlib import Path
 
@@ -29,6 +30,28 @@ def versions() -> dict:
 
     return {"fedsim": __version__, "flwr": flwr.__version__, "torch": torch.__version__, "numpy": np.__version__,
             "python": platform.python_version()}
+
+
+def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
+    """Refuse a cohort whose rough memory estimate exceeds what the machine (or GPU) has free.
+
+    Estimate: every sampled client's reply (one model copy each) plus a few global copies for aggregation and
+    the data set; on a GPU, the same for the clients' models and optimiser state.
+    """
+    model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    need = model_bytes * (cohort + 4) + data_bytes
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    where = "RAM"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        avail, _ = torch.cuda.mem_get_info(torch.device(device))
+        where = "GPU memory"
+    if need > avail:
+        raise ConfigError("clients_per_round", cohort,
+                          f"a cohort that fits: about {need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB {where} free",
+                          "Sample fewer clients per round or use a smaller model.")
 
 
 def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str):
@@ -69,6 +92,7 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     strategy = build.build_strategy(cfg, m)
     clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
     model = build.build_initial_model(spec)
+    check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, build.resolve_device(str(cfg.placement.device)))
     server_device = build.resolve_device(str(cfg.placement.server_device))
     evaluate_fn = make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device)
     loop = LoopConfig(

@@ -50,3 +50,16 @@ def test_round_below_quorum_is_skipped_and_run_goes_on(tmp_path):
 def test_bad_fault_rates_are_config_errors(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key):
         run_tiny(tmp_path, "faults=mixed", *over)
+
+
+def test_cohort_too_big_for_memory_is_refused_up_front(tmp_path, monkeypatch):
+    import fedsim.run as run_mod
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 2**30 // 4096}  # pretend 1 GiB is free
+    monkeypatch.setattr(run_mod.os, "sysconf", lambda name: pages[name])
+    # MLP 64-4000-4000-10: ~16.3M params, ~65 MB a copy; 20 copies + 4 exceed 1 GiB
+    with pytest.raises(ConfigError, match="clients_per_round") as err:
+        run_tiny(tmp_path, "num_clients=20", "clients_per_round=20", "model.hidden=[4000,4000]")
+    assert "GiB needed" in str(err.value) and "1.0 GiB RAM free" in str(err.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+    run_tiny(tmp_path / "ok", "num_clients=20", "clients_per_round=2", "num_rounds=1")  # a small cohort fits
