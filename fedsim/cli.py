@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 for _var, _val in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHECK", "1"),
                    ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0"), ("HYDRA_FULL_ERROR", "0")):
@@ -40,13 +41,36 @@ def _task(cfg: DictConfig) -> dict | None:
     hc = HydraConfig.get()
     quiet_loggers()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
+    multirun = hc.mode == RunMode.MULTIRUN
     try:
         return run_experiment(cfg, hc.runtime.output_dir, choices)
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
-        if hc.mode == RunMode.MULTIRUN:
-            raise  # Hydra records the failed job and the sweep goes on; the summary marks it
-        sys.exit(EXIT_CONFIG)
+        if not multirun:
+            sys.exit(EXIT_CONFIG)
+        _record_failure(Path(hc.runtime.output_dir), f"config error: {e}")
+    except Exception as e:
+        if not multirun:
+            raise
+        logging.getLogger("fedsim").exception("run %s failed", hc.job.num)
+        _record_failure(Path(hc.runtime.output_dir), f"{type(e).__name__}: {e}")
+    return None
+
+
+FAILED_JOBS: list[str] = []
+
+
+def _record_failure(out_dir: Path, message: str) -> None:
+    """In a sweep, a failed job leaves error.txt and a summary.json saying so; the other jobs go on."""
+    import json
+
+    FAILED_JOBS.append(str(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "error.txt").write_text(message + "\n")
+    summary = out_dir / "summary.json"
+    data = json.loads(summary.read_text()) if summary.exists() else {}
+    data.update(status="failed", error=message)
+    summary.write_text(json.dumps(data, indent=2) + "\n")
 
 
 @hydra.main(version_base=None, config_path="pkg://fedsim.conf", config_name="config")
@@ -100,6 +124,9 @@ def main() -> None:
         print(f"fedsim: config error: {msg}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     _hydra_main()
+    if FAILED_JOBS:
+        print(f"fedsim: {len(FAILED_JOBS)} run(s) of the sweep failed: {', '.join(FAILED_JOBS)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

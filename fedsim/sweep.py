@@ -25,6 +25,8 @@ def collect(sweep_dir: Path) -> list[dict]:
         if summ.exists():
             s = json.loads(summ.read_text())
             row.update({k: s.get(k) for k in COLUMNS if k in s})
+            if row.get("status") == "failed" and (job / "error.txt").exists():
+                row["error"] = (job / "error.txt").read_text().strip()
         else:
             err = job / "error.txt"
             row["status"] = "failed"
@@ -73,14 +75,7 @@ def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
 
 
 class SweepSummary(Callback):
-    """Writes the sweep summary when a multirun ends; records a failed job's error in its folder."""
-
-    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:  # noqa: D102
-        from hydra.core.utils import JobStatus
-
-        if getattr(job_return, "status", None) == JobStatus.FAILED and job_return.working_dir:
-            err = job_return._return_value
-            Path(job_return.working_dir, "error.txt").write_text(f"{type(err).__name__}: {err}\n")
+    """Writes the sweep summary when a multirun ends (failed jobs appear with their error)."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
         sweep_dir = Path(config.hydra.sweep.dir)
