@@ -1,0 +1,150 @@
+"""Update clipping and central DP noise as wrappers around any Flower strategy (``clipping=`` in fedsim).
+
+``FixedClipping`` is DP-FedAvg (McMahan, Ramage, Talwar, Zhang, ICLR 2018, https://arxiv.org/abs/1710.06963);
+``AdaptiveClipping`` adapts the clip norm to a quantile of the update norms (Andrew, Thakkar, McMahan,
+Ramaswamy, NeurIPS 2021, https://arxiv.org/abs/1905.03871). The round-by-round pipeline (clip, fixed
+denominator, shared noise, accounting, ``StopRun`` at ``max_epsilon``, checkpoints) is in
+``strategies.clip_wrapper``.
+"""
+
+from __future__ import annotations
+
+from flwr.serverapp.strategy import Strategy
+
+from fedsim.errors import ConfigError
+from strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
+from strategies.checks import number
+from strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
+
+
+class FixedClipping(ClippingWrapper):
+    """Clip every update to a fixed L2 norm, optionally with central Gaussian noise (DP-FedAvg).
+
+    Parameters
+    ----------
+    strategy : Strategy
+        Any Flower strategy; it receives the clipped (and noised) replies.
+    num_clients : int
+        Population size ``N`` (for the sampling rate ``q = m / N``).
+    clients_per_round : int
+        Cohort size ``m``: the fixed denominator of the noise std ``z C / m``.
+    clip_norm : float
+        ``C`` > 0.
+    side : {"server", "client"}
+        Who clips: the server, or the clients (``clip-norm`` in the train config).
+    noise_multiplier : float
+        ``z`` >= 0; 0 = clipping only, no privacy guarantee.
+    delta : float
+        delta in (0, 1) at which epsilon is reported; keep it below ``1 / num_clients``.
+    max_epsilon : float or None
+        Stop the run (``StopRun``) before a round that would take epsilon above this.
+    seed : int
+        Seed of the noise (fedsim passes the run's seed).
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        num_clients: int,
+        clients_per_round: int,
+        clip_norm: float = 1.0,
+        side: str = "server",
+        noise_multiplier: float = 0.0,
+        delta: float = 1e-5,
+        max_epsilon: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            strategy,
+            num_clients,
+            clients_per_round,
+            clip_norm,
+            side,
+            noise_multiplier,
+            delta,
+            max_epsilon,
+            seed,
+        )
+
+
+class AdaptiveClipping(ClippingWrapper):
+    """Clip to a norm that tracks a quantile of the update norms (Andrew et al. 2021), optionally with DP noise.
+
+    After each round ``C <- C exp(-clip_norm_lr (b - target_quantile))`` with ``b`` the (noised) fraction
+    of updates that were NOT clipped: C grows while most updates are clipped and shrinks when none are.
+    Flower's adaptive wrappers use the clipped fraction here, which moves C the wrong way, and they noise
+    the update with the already-updated C; neither is copied.
+
+    With ``noise_multiplier = z > 0`` the count of unclipped updates gets noise of std ``clipped_count_stddev``
+    (default ``m / 20``, as Andrew et al. recommend) and the update noise multiplier becomes
+    ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``, so that both queries together are accounted as one
+    Gaussian mechanism with multiplier ``z``; this needs ``z < 2 sigma_b``.
+
+    Parameters
+    ----------
+    strategy, num_clients, clients_per_round, side, noise_multiplier, delta, max_epsilon, seed
+        As for ``FixedClipping``.
+    initial_clip_norm : float
+        Starting ``C`` > 0 (paper: 0.1).
+    target_quantile : float
+        Fraction of updates meant to stay unclipped, in (0, 1) (paper: 0.5, the median norm).
+    clip_norm_lr : float
+        Geometric step ``eta_C`` > 0 (paper: 0.2).
+    clipped_count_stddev : float or None
+        Std ``sigma_b`` >= 0 of the noise on the unclipped count; ``None``: ``m / 20`` with noise, else 0.
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        num_clients: int,
+        clients_per_round: int,
+        initial_clip_norm: float = 0.1,
+        target_quantile: float = 0.5,
+        clip_norm_lr: float = 0.2,
+        clipped_count_stddev: float | None = None,
+        side: str = "server",
+        noise_multiplier: float = 0.0,
+        delta: float = 1e-5,
+        max_epsilon: float | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(
+            strategy,
+            num_clients,
+            clients_per_round,
+            initial_clip_norm,
+            side,
+            noise_multiplier,
+            delta,
+            max_epsilon,
+            seed,
+            clip_key="initial_clip_norm",
+        )
+        self.target_quantile = number(
+            "target_quantile", target_quantile, 0.0, 1.0, lo_open=True, hi_open=True
+        )
+        self.clip_norm_lr = number("clip_norm_lr", clip_norm_lr, 0.0, lo_open=True)
+        if clipped_count_stddev is None:
+            clipped_count_stddev = self.clients_per_round / 20 if self.dp else 0.0
+        self.clipped_count_stddev = number("clipped_count_stddev", clipped_count_stddev, 0.0)
+        try:
+            self.update_noise_multiplier = split_noise_multiplier(
+                self.noise_multiplier, self.clipped_count_stddev
+            )
+        except ValueError:
+            raise ConfigError(
+                "noise_multiplier",
+                noise_multiplier,
+                f"a number < 2 * clipped_count_stddev = {2 * self.clipped_count_stddev:g}",
+                "Raise clipped_count_stddev (default clients_per_round / 20) or lower noise_multiplier.",
+            ) from None
+
+    def _after_round(self, server_round: int, unclipped: list[bool]) -> None:
+        """Geometric clip-norm update from the (noised) unclipped fraction."""
+        noise = 0.0
+        if self.clipped_count_stddev > 0:
+            noise = float(self._rng(server_round, COUNT_NOISE).normal(0.0, self.clipped_count_stddev))
+        denominator = self.clients_per_round if self.dp else len(unclipped)
+        frac = noisy_unclipped_fraction(unclipped, denominator, noise)
+        self.clip_norm = adaptive_clip_norm(self.clip_norm, frac, self.target_quantile, self.clip_norm_lr)

@@ -1,0 +1,76 @@
+"""FedAvg with server momentum, FedAvgM (Hsu, Qi, Brown 2019, https://arxiv.org/abs/1909.06335)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+
+from strategies.aggregate import is_float, momentum_step
+from strategies.checks import number
+from strategies.fedavg import FedAvg
+from strategies.records import to_numpy
+
+
+class FedAvgM(FedAvg):
+    """FedAvg followed by a server SGD step with momentum on the pseudo-gradient ``x - mean``.
+
+    ``v = momentum * v + (x - mean)``, ``x = x - lr * v``; ``lr = 1, momentum = 0`` is FedAvg. Unlike Flower's
+    ``FedAvgM``, which remembers its own last output, ``x`` is the global model handed to ``configure_train``
+    each round, so a wrapper that changes the aggregate (DP noise) or a resumed run stays consistent. Only
+    floating-point arrays take the step; integer buffers are averaged.
+
+    Parameters
+    ----------
+    server_learning_rate : float
+        Server step size, > 0.
+    server_momentum : float
+        Momentum in [0, 1); Hsu et al. use 0.9 (with lr 1.0).
+    **kwargs
+        Passed to ``FedAvg``.
+    """
+
+    def __init__(
+        self, server_learning_rate: float = 1.0, server_momentum: float = 0.9, **kwargs: Any
+    ) -> None:
+        lr = number("server_learning_rate", server_learning_rate, 0.0, lo_open=True)
+        mom = number("server_momentum", server_momentum, 0.0, 1.0, hi_open=True)
+        super().__init__(**kwargs)
+        self.server_learning_rate, self.server_momentum = lr, mom
+        self.current: dict[str, np.ndarray] | None = None
+        self.velocity: dict[str, np.ndarray] | None = None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Remember the global model the step starts from; then FedAvg's messages."""
+        self.current = to_numpy(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def combine(
+        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
+    ) -> dict[str, np.ndarray]:
+        """Weighted mean, then one momentum step from the current global model (updates the velocity)."""
+        if self.current is None:
+            raise RuntimeError("FedAvgM.aggregate_train called before configure_train")
+        avg = super().combine(models, weights)
+        floats = [k for k, a in self.current.items() if is_float(a)]
+        x, self.velocity = momentum_step(
+            {k: self.current[k] for k in floats},
+            {k: avg[k] for k in floats},
+            self.velocity,
+            self.server_learning_rate,
+            self.server_momentum,
+        )
+        return {**avg, **x}
+
+    def state_dict(self) -> dict:
+        """The momentum buffer (``None`` before the first aggregation)."""
+        return {"velocity": self.velocity}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.velocity = state["velocity"]

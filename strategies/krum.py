@@ -1,0 +1,93 @@
+"""Krum and multi-Krum (Blanchard, El Mhamdi, Guerraoui, Stainer, NeurIPS 2017, https://arxiv.org/abs/1703.02757)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord
+
+from fedsim.errors import ConfigError
+from strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
+from strategies.checks import integer
+from strategies.fedavg import FedAvg
+from strategies.records import to_record
+
+
+class Krum(FedAvg):
+    """Keep the ``num_selected`` client models with the lowest Krum scores and average them uniformly.
+
+    A model's score is the sum of squared L2 distances (over its floating-point arrays) to its
+    ``n - f - 2`` nearest other models, with ``f = num_malicious``. ``num_selected = 1`` is Krum,
+    more is multi-Krum (uniform mean of the selected, as in the paper; Flower weights it by
+    ``num-examples``). Metrics are averaged over the selected replies only. Distances are computed by direct
+    differences in float64 (Flower expands ``|x|^2 + |y|^2 - 2 x.y``, which cancels badly on full weights).
+
+    Needs ``n >= 2f + 3`` and ``num_selected <= n - f`` valid replies. fedsim calls ``check_cohort`` with
+    ``clients_per_round`` before training; a round that still ends with too few valid replies raises
+    ``ConfigError`` (set ``min_replies`` to at least ``max(2f + 3, num_selected + f)`` so that fedsim skips
+    such rounds instead).
+
+    Parameters
+    ----------
+    num_malicious : int
+        Number ``f`` of Byzantine clients tolerated, >= 0.
+    num_selected : int
+        Number of models kept, >= 1.
+    **kwargs
+        Passed to ``FedAvg``.
+    """
+
+    def __init__(self, num_malicious: int = 0, num_selected: int = 1, **kwargs: Any) -> None:
+        self.num_malicious = integer("num_malicious", num_malicious, 0)
+        self.num_selected = integer("num_selected", num_selected, 1)
+        super().__init__(**kwargs)
+
+    def min_cohort(self) -> int:
+        """The smallest number of valid replies Krum accepts: ``max(2f + 3, num_selected + f)``."""
+        return max(2 * self.num_malicious + 3, self.num_selected + self.num_malicious)
+
+    def check_cohort(self, cohort_size: int) -> None:
+        """Raise ``ConfigError`` unless ``cohort_size >= 2f + 3`` and ``num_selected <= cohort_size - f``.
+
+        fedsim's pre-run hook (called with ``clients_per_round``); also run on every aggregation with the
+        number of valid replies.
+        """
+        f = self.num_malicious
+        if cohort_size < 2 * f + 3:
+            raise ConfigError(
+                "num_malicious",
+                f,
+                f"an integer <= (cohort - 3) / 2 = {(cohort_size - 3) // 2} for a cohort of {cohort_size}",
+                "Krum needs at least 2 * num_malicious + 3 clients per round.",
+            )
+        if self.num_selected > cohort_size - f:
+            raise ConfigError(
+                "num_selected",
+                self.num_selected,
+                f"an integer in [1, {cohort_size - f}] (cohort {cohort_size} - num_malicious {f})",
+            )
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Select by Krum score, average the selected models and their metrics."""
+        valid, models, _ = self._parse(replies)
+        if not valid:
+            return None, None
+        try:
+            self.check_cohort(len(valid))
+        except ConfigError as e:
+            raise ConfigError(
+                e.key,
+                e.value,
+                e.allowed,
+                f"Round {server_round} has only {len(valid)} valid "
+                f"replies; set min_replies >= {self.min_cohort()} to skip such rounds.",
+            ) from None
+        flat = np.stack([flatten({k: a for k, a in m.items() if is_float(a)}) for m in models])  # (n, d)
+        chosen = krum_select(flat, self.num_malicious, self.num_selected)
+        arrays = weighted_mean([models[i] for i in chosen], [1.0] * len(chosen))
+        metrics = self.train_metrics_aggr_fn([valid[i].content for i in chosen], self.weighted_by_key)
+        return to_record(cast_like(arrays, models[0])), metrics
