@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.clock import Heterogeneity
-from fedsim.errors import StopRun
+from fedsim.errors import ConfigError, StopRun
 from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
 
 log = logging.getLogger("fedsim")
@@ -125,6 +125,10 @@ def run_sync(
             except StopRun as stop:
                 log.warning("stopping at round %d: %s", rnd, stop)
                 break
+            except ConfigError as e:  # e.g. Krum with too few valid replies this round: skip, keep going
+                log.warning("round %d skipped: %s", rnd, e)
+                arrays, metrics = None, None
+                record["skipped"] = True
             if arrays is not None:
                 state.arrays = arrays
             record.update(_metric_fields(metrics))

@@ -42,7 +42,7 @@ def test_proximal_term_keeps_model_closer_to_start():
     for mu in (0.0, 2.0):
         net = copy.deepcopy(base)
         train_local(net, x, y, cfg, torch.Generator().manual_seed(1), proximal_mu=mu)
-        dist[mu] = sum(float(((p.detach() - q) ** 2).sum()) for p, q in zip(net.parameters(), base.parameters()))
+        dist[mu] = sum(float(((p.detach() - q.detach()) ** 2).sum()) for p, q in zip(net.parameters(), base.parameters()))
     assert dist[2.0] < 0.5 * dist[0.0]
 
 
