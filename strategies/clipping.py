@@ -76,7 +76,7 @@ class AdaptiveClipping(ClippingWrapper):
     the update with the already-updated C; neither is copied.
 
     With ``noise_multiplier = z > 0`` the count of unclipped updates gets noise of std ``clipped_count_stddev``
-    (default ``m / 20``, as Andrew et al. recommend) and the update noise multiplier becomes
+    (default ``max(m / 20, z)``: Andrew et al.'s ``m / 20``, raised to ``z`` for small cohorts) and the update noise multiplier becomes
     ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``, so that both queries together are accounted as one
     Gaussian mechanism with multiplier ``z``; this needs ``z < 2 sigma_b``.
 
@@ -91,7 +91,7 @@ class AdaptiveClipping(ClippingWrapper):
     clip_norm_lr : float
         Geometric step ``eta_C`` > 0 (paper: 0.2).
     clipped_count_stddev : float or None
-        Std ``sigma_b`` >= 0 of the noise on the unclipped count; ``None``: ``m / 20`` with noise, else 0.
+        Std ``sigma_b`` >= 0 of the noise on the unclipped count; ``None``: ``max(m / 20, z)`` with noise, else 0.
     """
 
     def __init__(
@@ -126,7 +126,9 @@ class AdaptiveClipping(ClippingWrapper):
         )
         self.clip_norm_lr = number("clip_norm_lr", clip_norm_lr, 0.0, lo_open=True)
         if clipped_count_stddev is None:
-            clipped_count_stddev = self.clients_per_round / 20 if self.dp else 0.0
+            # Andrew et al.'s m/20, raised to z where the cohort is small, so that z < 2*sigma_b always holds
+            # (z_delta is then at most z/sqrt(3/4) ~= 1.155 z)
+            clipped_count_stddev = max(self.clients_per_round / 20, self.noise_multiplier) if self.dp else 0.0
         self.clipped_count_stddev = number("clipped_count_stddev", clipped_count_stddev, 0.0)
         try:
             self.update_noise_multiplier = split_noise_multiplier(
@@ -137,7 +139,7 @@ class AdaptiveClipping(ClippingWrapper):
                 "noise_multiplier",
                 noise_multiplier,
                 f"a number < 2 * clipped_count_stddev = {2 * self.clipped_count_stddev:g}",
-                "Raise clipped_count_stddev (default clients_per_round / 20) or lower noise_multiplier.",
+                "Raise clipped_count_stddev (default max(clients_per_round / 20, noise_multiplier)) or lower noise_multiplier.",
             ) from None
 
     def _after_round(self, server_round: int, unclipped: list[bool]) -> None:

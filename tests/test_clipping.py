@@ -133,8 +133,12 @@ def test_adaptive_noise_split_and_its_limit():
     assert s.update_noise_multiplier == pytest.approx(3**-0.5)  # (0.5^-2 - 1^-2)^(-1/2)
     _, metrics = run_round(s, 1, G, make_replies(_updates(10, 0.0)))
     assert metrics[keys.AGG_NOISE_STD] == pytest.approx(3**-0.5 * 2.0 / 10)
-    with pytest.raises(ConfigError, match="noise_multiplier"):
-        adaptive(num_clients=100, clients_per_round=10, noise_multiplier=1.0)
+    # small cohort: the default count noise is raised to z, so the split stays possible
+    s = adaptive(num_clients=100, clients_per_round=10, noise_multiplier=1.0)
+    assert s.clipped_count_stddev == 1.0
+    assert s.update_noise_multiplier == pytest.approx((1.0 - 0.25) ** -0.5)
+    with pytest.raises(ConfigError, match="noise_multiplier"):  # an explicit sigma_b too small for z
+        adaptive(num_clients=100, clients_per_round=10, noise_multiplier=1.0, clipped_count_stddev=0.5)
 
 
 # ---------------------------------------------------------------- noise
