@@ -155,8 +155,10 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
         if recorder.records:
             atomic_torch_save(state.arrays.to_torch_state_dict(), out_dir / "model.pt")
             recorder.plot(title=" ".join(f"{k}={v}" for k, v in (choices or {}).items()))
+        if status == "completed" and state.extra.get("stop_reason"):
+            status = "stopped"
         summary = recorder.summary({
-            "status": status, "engine": engine, "choices": choices or {},
+            "status": status, "stop_reason": state.extra.get("stop_reason"), "engine": engine, "choices": choices or {},
             "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
         })
         recorder.write_summary(summary)

@@ -101,6 +101,7 @@ def run_sync(
             messages = list(strategy.configure_train(rnd, state.arrays, config, view))
         except StopRun as stop:
             log.warning("stopping before round %d: %s", rnd, stop)
+            state.extra["stop_reason"] = str(stop)
             break
         replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout))
         valid, failures = screen_replies(replies, state.arrays)
@@ -124,6 +125,7 @@ def run_sync(
                 arrays, metrics = strategy.aggregate_train(rnd, valid)
             except StopRun as stop:
                 log.warning("stopping at round %d: %s", rnd, stop)
+                state.extra["stop_reason"] = str(stop)
                 break
             except ConfigError as e:  # e.g. Krum with too few valid replies this round: skip, keep going
                 log.warning("round %d skipped: %s", rnd, e)

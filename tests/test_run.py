@@ -131,3 +131,13 @@ def test_federated_evaluation_records_client_metrics(tmp_path):
     assert all(0.0 <= r["fed_eval_accuracy"] <= 1.0 and r["fed_eval_loss"] > 0 for r in recs)
     run_tiny(tmp_path / "off")
     assert "fed_eval_accuracy" not in read_metrics(tmp_path / "off")[-1]
+
+
+def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):
+    summary = run_tiny(tmp_path, "num_rounds=20", "clipping=fixed", "clipping.noise_multiplier=0.8",
+                       "clipping.max_epsilon=15")
+    recs = read_metrics(tmp_path)
+    assert summary["status"] == "stopped" and "epsilon" in summary["stop_reason"].lower()
+    assert 1 <= summary["rounds_done"] < 20
+    assert all(r["epsilon"] <= 15 for r in recs[1:])
+    assert (tmp_path / "model.pt").exists() and (tmp_path / "curves.png").exists()
