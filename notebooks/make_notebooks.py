@@ -143,18 +143,6 @@ NOTEBOOKS = {
                       'plt.xscale("log"); plt.xlabel("ε (δ=1e-5)"); plt.ylabel("test accuracy"); plt.show()\n'
                       'points'),
     ],
-    "04_async": [
-        new_markdown_cell("# Asynchronous aggregation\n\nFedAvg vs FedAsync vs FedBuff under client heterogeneity "
-                          "(lognormal speeds), compared in simulated seconds."),
-        new_code_cell(SETUP),
-        new_code_cell('versions = 6 if SMALL else 120\n'
-                      'for strat in ["fedavg", "fedasync", "fedbuff"]:\n'
-                      '    n = versions if strat != "fedavg" else max(3, versions // 3)\n'
-                      '    _, recs = run(strat, f"strategy={strat}", "heterogeneity=lognormal", f"num_rounds={n}")\n'
-                      '    ev = [r for r in recs if r.get("eval_accuracy") is not None]\n'
-                      '    plt.plot([r["sim_time"] for r in ev], [r["eval_accuracy"] for r in ev], label=strat)\n'
-                      'plt.xlabel("simulated time (s)"); plt.ylabel("test accuracy"); plt.legend(); plt.show()'),
-    ],
 }
 
 for name, cells in NOTEBOOKS.items():
