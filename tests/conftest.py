@@ -22,8 +22,7 @@ def compose_cfg(*overrides: str):
     """Compose fedsim's config with ``overrides`` (Hydra's compose API)."""
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="fedsim.conf", version_base=None):
-        extra = [f"hydra.searchpath=[{os.environ['FEDSIM_TMP_SP']}]"] if os.environ.get("FEDSIM_TMP_SP") else []
-        return compose(config_name="config", overrides=extra + list(overrides))
+        return compose(config_name="config", overrides=list(overrides))
 
 
 def run_tiny(out_dir: Path, *overrides: str) -> dict:
