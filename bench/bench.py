@@ -1,11 +1,12 @@
 """Benchmark: the default experiment on fedsim's engines vs vanilla Flower vs a plain torch loop.
 
-Each variant runs in its own fresh Python process, so start-up (imports, Ray) is counted; the table gives
-end-to-end wall time, time per round after the first, peak memory (max RSS of the process tree) and the
-final accuracy, with ratios against the plain torch loop and against vanilla Flower.
+Each variant runs in its own fresh Python process, so start-up (imports, Ray, worker processes) is counted;
+the table gives end-to-end wall time, start-up (wall time outside the rounds), the median time of rounds
+2..R, peak memory (max RSS of the process tree, sampled every 0.1 s) and the final accuracy, with ratios
+against the plain torch loop and against vanilla Flower. ``bench/scale.py`` reuses these helpers.
 
     python bench/bench.py                 # all variants, default experiment (digits, 20 clients, 60 rounds)
-    python bench/bench.py --rounds 20 --variants inprocess,torch
+    python bench/bench.py --rounds 20 --variants inprocess,vectorized,torch
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,78 +22,145 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-       "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0", "PYTHONUNBUFFERED": "1"}
-VARIANTS = ("inprocess", "ray", "flower", "torch")
+ENV = {
+    **os.environ,
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    "PYTHONUNBUFFERED": "1",
+}
+# variant -> fedsim overrides (None: not a fedsim engine)
+VARIANTS = {
+    "inprocess": ["engine=inprocess"],
+    "inprocess-w2": ["engine=inprocess", "engine.workers=2"],
+    "vectorized": ["engine=vectorized"],
+    "ray": ["engine=ray"],
+    "flower": None,
+    "torch": None,
+}
 
 
-def child(variant: str, rounds: int) -> dict:
-    """Run one variant in this process; return its figures."""
-    if variant in ("inprocess", "ray"):
-        from fedsim.cli import quiet_loggers
-        from fedsim.run import run_experiment
-        from hydra import compose, initialize_config_module
+# ----------------------------------------------------------------------------------------- child side
+def fedsim_child(overrides: list[str]) -> dict:
+    """Run fedsim with ``overrides`` in this process; per-round times, accuracy and data build times."""
+    import torch
+    from hydra import compose, initialize_config_module
 
-        quiet_loggers()
-        with initialize_config_module(config_module="fedsim.conf", version_base=None):
-            cfg = compose(config_name="config", overrides=[f"engine={variant}", f"num_rounds={rounds}", "quiet=true",
-                                                            "checkpoint_every=0"])
-        with tempfile.TemporaryDirectory() as out:
-            s = run_experiment(cfg, out)
-            recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-        first = recs[1]["wall_time"]
-        return {"accuracy": s["final_eval_accuracy"],
-                "per_round": (recs[-1]["wall_time"] - first) / max(1, rounds - 1)}
-    if variant == "flower":
-        import logging
+    from fedsim import build
+    from fedsim.cli import quiet_loggers
+    from fedsim.run import run_experiment
 
-        sys.path.insert(0, str(HERE))
-        import vanilla_flower_app as va
-        from flwr.simulation import run_simulation
+    quiet_loggers()
+    with initialize_config_module(config_module="fedsim.conf", version_base=None):
+        cfg = compose(config_name="config", overrides=[*overrides, "quiet=true", "checkpoint_every=0"])
+    spec = json.loads(build.client_spec(cfg, device=str(cfg.placement.device)))
+    t0 = time.perf_counter()
+    build.build_dataset(spec)
+    t1 = time.perf_counter()
+    build.build_partitions(spec)  # cached: run_experiment reuses it
+    t2 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        summary = run_experiment(cfg, out)
+        recs = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+        model = torch.load(Path(out) / "model.pt")
+    res = {
+        "rounds": [r["round_time"] for r in recs if r["round"] > 0],
+        "accuracy": summary["final_eval_accuracy"],
+        "data_s": t1 - t0,
+        "partitions_s": t2 - t1,
+        "model_norm": float(sum(float((v.double() ** 2).sum()) for v in model.values()) ** 0.5),
+    }
+    if torch.cuda.is_available():
+        res["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return res
 
-        va.ROUNDS = rounds
-        logging.getLogger("flwr").setLevel(logging.ERROR)
-        sink: dict = {}
-        run_simulation(server_app=va.make_server_app(sink), client_app=va.client_app, num_supernodes=va.NUM_CLIENTS,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                       "init_args": {"num_cpus": os.cpu_count(), "include_dashboard": False}})
-        return {"accuracy": sink.get("accuracy")}
-    if variant == "torch":
-        return plain_torch(rounds)
-    raise ValueError(variant)
+
+class TimedSink(dict):
+    """The vanilla app's result dict; remembers when each evaluation (round 0, then after every round) ended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[float] = []
+
+    def __setitem__(self, key, value) -> None:
+        if key == "accuracy":
+            self.times.append(time.perf_counter())
+        super().__setitem__(key, value)
 
 
-def plain_torch(rounds: int) -> dict:
-    """The same FedAvg SGD steps in one plain torch loop (same data, cohorts, batches and init as fedsim)."""
+def flower_child(server_app_factory, client_app, num_nodes: int) -> dict:
+    """Run a vanilla Flower app with ``run_simulation`` (Ray, one CPU per actor); per-round times and accuracy."""
+    import logging
+
+    from flwr.simulation import run_simulation
+
+    logging.getLogger("flwr").setLevel(logging.ERROR)
+    sink = TimedSink()
+    run_simulation(
+        server_app=server_app_factory(sink),
+        client_app=client_app,
+        num_supernodes=num_nodes,
+        backend_config={
+            "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+            "init_args": {"num_cpus": os.cpu_count(), "include_dashboard": False},
+        },
+    )
+    return {"rounds": [b - a for a, b in zip(sink.times, sink.times[1:])], "accuracy": sink.get("accuracy")}
+
+
+def plain_fedavg(
+    ds,
+    parts,
+    factory,
+    *,
+    seed: int,
+    per_round: int,
+    rounds: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    device: str = "cpu",
+) -> dict:
+    """FedAvg as one plain torch loop doing fedsim's SGD steps: same data, cohorts, seeded batches and init.
+
+    Client tensors are made on first use and kept (on ``device``), as ``fedsim.build.client_task`` does.
+    """
     import numpy as np
     import torch
     from torch.nn import functional as F
 
-    from fedsim.data.digits import load_digits
-    from fedsim.data.partition import dirichlet, split_train_val
-    from fedsim.models import build_model, mlp
-    from fedsim.server import sample_cohort
+    from fedsim.models import build_model
+
+    def sample_cohort(rnd: int) -> list[int]:  # fedsim.server.sample_cohort, without importing Flower
+        return sorted(
+            int(p) for p in np.random.default_rng([seed, 1, rnd]).choice(len(parts), per_round, False)
+        )
 
     torch.set_num_threads(1)
-    seed, n_clients, m, epochs, bs, lr = 0, 20, 10, 2, 16, 0.1
-    ds = load_digits(seed=seed)
-    parts = dirichlet(ds.y_train, n_clients, np.random.default_rng([seed, 7]), alpha=0.5)
-    parts = [split_train_val(p, 0.1, np.random.default_rng([seed, 8, i]))[0] for i, p in enumerate(parts)]
-    data = [(torch.as_tensor(ds.x_train[p]), torch.as_tensor(ds.y_train[p])) for p in parts]
-    model = build_model(mlp, ds.input_shape, 10, seed=seed)
-    xt, yt = torch.as_tensor(ds.x_test), torch.as_tensor(ds.y_test)
+    model = build_model(factory, ds.input_shape, ds.num_classes, seed=seed).to(device)
+    xt, yt = torch.as_tensor(ds.x_test, device=device), torch.as_tensor(ds.y_test, device=device)
     glob = {k: v.clone() for k, v in model.state_dict().items()}
-    t_first = None
+    cache: dict[int, tuple] = {}
+    times, acc = [], None
     for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
         acc_sum = {k: torch.zeros_like(v) for k, v in glob.items()}
         total = 0
-        for pid in sample_cohort(seed, rnd, n_clients, m):
-            x, y = data[pid]
+        for pid in sample_cohort(rnd):
+            if pid not in cache:
+                cache[pid] = (
+                    torch.as_tensor(ds.x_train[parts[pid]], device=device),
+                    torch.as_tensor(ds.y_train[parts[pid]], device=device),
+                )
+            x, y = cache[pid]
             model.load_state_dict(glob)
             opt = torch.optim.SGD(model.parameters(), lr=lr)
-            gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, 3, rnd, pid]).generate_state(1)[0]))
+            gen = torch.Generator().manual_seed(
+                int(np.random.SeedSequence([seed, 3, rnd, pid]).generate_state(1)[0])
+            )
+            bs = len(y) if batch_size <= 0 else min(batch_size, len(y))
             for _ in range(epochs):
-                for idx in torch.randperm(len(y), generator=gen).split(bs):
+                for idx in torch.randperm(len(y), generator=gen).to(device).split(bs):
                     loss = F.cross_entropy(model(x[idx]), y[idx])
                     opt.zero_grad()
                     loss.backward()
@@ -102,13 +171,47 @@ def plain_torch(rounds: int) -> dict:
         glob = {k: v / total for k, v in acc_sum.items()}
         model.load_state_dict(glob)
         with torch.no_grad():
-            acc = float((model(xt).argmax(1) == yt).float().mean())
-        if rnd == 1:
-            t_first = time.perf_counter()
-    per_round = (time.perf_counter() - t_first) / max(1, rounds - 1)
-    return {"accuracy": acc, "per_round": per_round}
+            acc = sum(
+                int((model(xt[s : s + 1024]).argmax(1) == yt[s : s + 1024]).sum())
+                for s in range(0, len(yt), 1024)
+            ) / len(yt)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {
+        "rounds": times,
+        "accuracy": acc,
+        "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
+    }
 
 
+def child(variant: str, rounds: int) -> dict:
+    """Run one variant of the default experiment in this process; return its figures."""
+    if VARIANTS.get(variant) is not None:
+        return fedsim_child([*VARIANTS[variant], f"num_rounds={rounds}"])
+    if variant == "flower":
+        sys.path.insert(0, str(HERE))
+        import vanilla_flower_app as va
+
+        va.ROUNDS = rounds
+        return flower_child(va.make_server_app, va.client_app, va.NUM_CLIENTS)
+    if variant == "torch":
+        import numpy as np
+
+        from fedsim.data.digits import load_digits
+        from fedsim.data.partition import dirichlet, split_train_val
+        from fedsim.models import mlp
+
+        ds = load_digits(seed=0)
+        parts = dirichlet(ds.y_train, 20, np.random.default_rng([0, 7]), alpha=0.5)
+        parts = [split_train_val(p, 0.1, np.random.default_rng([0, 8, i]))[0] for i, p in enumerate(parts)]
+        return plain_fedavg(
+            ds, parts, mlp, seed=0, per_round=10, rounds=rounds, epochs=2, batch_size=16, lr=0.1
+        )
+    raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+
+
+# ---------------------------------------------------------------------------------------- parent side
 def tree_rss(root: int) -> int:
     """Resident bytes of process ``root`` and all its descendants (Ray's raylet and workers too); Linux /proc."""
     parent, rss = {}, {}
@@ -129,54 +232,117 @@ def tree_rss(root: int) -> int:
     return sum(rss.get(p, 0) for p in tree)
 
 
-def measure(variant: str, rounds: int) -> dict:
-    """Run ``variant`` in a fresh process; wall time and peak tree RSS are measured from outside."""
+def run_child(argv: list[str], timeout: float | None = None) -> dict:
+    """Run ``python argv...`` in a fresh process that prints one JSON line last; add wall time and peak RSS.
+
+    Returns the child's JSON plus ``wall`` (s) and ``peak_mb``, or ``{"error": ...}``.
+    """
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child_proc = subprocess.Popen([sys.executable, __file__, "--child", variant, "--rounds", str(rounds)],
-                                      env=ENV, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, *argv], env=ENV, stdout=out, stderr=err, text=True, start_new_session=True
+        )
         peak = 0
-        while child_proc.poll() is None:
-            peak = max(peak, tree_rss(child_proc.pid))
-            time.sleep(0.2)
+        while proc.poll() is None:
+            peak = max(peak, tree_rss(proc.pid))
+            if timeout is not None and time.perf_counter() - t0 > timeout:
+                os.killpg(proc.pid, 9)  # the child's whole session (Ray included)
+                proc.wait()
+                return {"error": f"timeout after {timeout:.0f} s"}
+            time.sleep(0.1)
         wall = time.perf_counter() - t0
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    if child_proc.returncode != 0:
-        return {"variant": variant, "error": stderr.strip().splitlines()[-1] if stderr else "failed"}
+    if proc.returncode != 0 or not stdout.strip():
+        lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+        return {"error": lines[-1][:200] if lines else f"exit code {proc.returncode}"}
     res = json.loads(stdout.strip().splitlines()[-1])
-    res.update(variant=variant, wall=wall, peak_mb=peak / 2**20)
+    res.update(wall=wall, peak_mb=peak / 2**20)
     return res
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Median figures of repeated runs of one variant: wall, start-up, round 1, rounds 2..R, peak, accuracy."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"error": runs[-1]["error"]}
+
+    def med(f):
+        vals = [v for v in (f(r) for r in ok) if v is not None]
+        return statistics.median(vals) if vals else None
+
+    return {
+        "wall": med(lambda r: r["wall"]),
+        "startup": med(lambda r: r["wall"] - sum(r["rounds"])),
+        "round1": med(lambda r: r["rounds"][0] if r["rounds"] else None),
+        "per_round": med(lambda r: statistics.median(r["rounds"][1:]) if len(r["rounds"]) > 1 else None),
+        "peak_mb": med(lambda r: r["peak_mb"]),
+        "accuracy": med(lambda r: r["accuracy"]),
+        "partitions_s": med(lambda r: r.get("partitions_s")),
+        "repeats": len(ok),
+    }
+
+
+def _f(v, fmt: str) -> str:
+    return format("-", f">{fmt.split('.')[0]}") if v is None else format(v, fmt)
+
+
+def format_rows(rows: list[tuple[str, str, dict]]) -> list[str]:
+    """Table lines for ``(scenario, variant, summary)`` rows; ratios against the same scenario's torch/flower."""
+    head = (
+        f"{'scenario':<10}{'variant':<20}{'wall s':>8}{'start-up s':>11}{'round 1 s':>10}{'round s':>9}"
+        f"{'peak MB':>9}{'accuracy':>9}{'torch/this':>11}{'torch/this':>11}{'flower/this':>12}"
+    )
+    sub = f"{'':<30}{'':>8}{'':>11}{'':>10}{'(2..R)':>9}{'':>9}{'':>9}{'(round)':>11}{'(wall)':>11}{'(wall)':>12}"
+    lines = [head, sub]
+    base = {(sc, v): s for sc, v, s in rows if "error" not in s}
+    for sc, v, s in rows:
+        if "error" in s:
+            lines.append(f"{sc:<10}{v:<20}failed: {s['error']}")
+            continue
+        t, fl = base.get((sc, "torch")), base.get((sc, "flower"))
+        r_round = t["per_round"] / s["per_round"] if t and t["per_round"] and s["per_round"] else None
+        r_wall = t["wall"] / s["wall"] if t else None
+        r_fl = fl["wall"] / s["wall"] if fl else None
+        lines.append(
+            f"{sc:<10}{v:<20}{_f(s['wall'], '8.2f')}{_f(s['startup'], '11.2f')}{_f(s['round1'], '10.3f')}"
+            f"{_f(s['per_round'], '9.3f')}{_f(s['peak_mb'], '9.0f')}{_f(s['accuracy'], '9.4f')}"
+            f"{_f(r_round, '11.2f')}{_f(r_wall, '11.2f')}{_f(r_fl, '12.2f')}"
+        )
+    return lines
+
+
+def machine_line() -> str:
+    """Cores and load averages, for the table's header (timings on a shared box are noisy)."""
+    return f"{os.cpu_count()} CPU cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default="inprocess,inprocess-w2,vectorized,ray,flower,torch")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per variant (median reported)")
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
-        res = child(args.child, args.rounds)
-        print(json.dumps(res))
+        print(json.dumps(child(args.child, args.rounds)))
         return
-    rows = [measure(v, args.rounds) for v in args.variants.split(",")]
-    ok = {r["variant"]: r for r in rows if "error" not in r}
-    print(f"\ndefault experiment (digits, 20 clients, 10 per round, {args.rounds} rounds), "
-          f"{os.cpu_count()} CPU cores; each variant in a fresh process")
-    print(f"{'variant':<12}{'wall s':>9}{'per round s':>13}{'peak RSS MB':>13}{'accuracy':>10}"
-          f"{'torch/this':>12}{'flower/this':>13}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:<12} failed: {r['error']}")
-            continue
-        vs_torch = ok["torch"]["wall"] / r["wall"] if "torch" in ok else float("nan")
-        vs_flower = ok["flower"]["wall"] / r["wall"] if "flower" in ok else float("nan")
-        pr = r.get("per_round")
-        print(f"{r['variant']:<12}{r['wall']:>9.2f}{(pr if pr is not None else float('nan')):>13.4f}"
-              f"{r['peak_mb']:>13.0f}{(r['accuracy'] or 0):>10.4f}{vs_torch:>12.2f}{vs_flower:>13.2f}")
-    print("torch/this: plain-torch wall time / this variant's (1.0 = no overhead); "
-          "flower/this: how many times faster than vanilla Flower run_simulation.")
+    before = machine_line()
+    rows = []
+    for v in args.variants.split(","):
+        runs = [run_child([__file__, "--child", v, "--rounds", str(args.rounds)]) for _ in range(args.repeat)]
+        rows.append(("default", v, summarise(runs)))
+    print(
+        f"\ndefault experiment (digits, MLP, 20 clients, 10 per round, {args.rounds} rounds); each variant in a "
+        f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}"
+    )
+    print("\n".join(format_rows(rows)))
+    print(
+        "start-up: wall time outside the rounds (imports, data, partitions, workers or Ray, first evaluation, exit). "
+        "torch/this: plain torch's time / this one's (1.0 = no overhead); flower/this: times faster than vanilla "
+        "Flower run_simulation."
+    )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,47 @@
+"""The benchmark scripts run end to end on a minimal setting and print their tables (no timing asserts)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _run(*args: str) -> str:
+    proc = subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def _rows(out: str) -> dict[tuple[str, str], list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) > 2 and parts[0] in ("a", "b", "c", "default") and parts[2][0] in "0123456789f":
+            rows[(parts[0], parts[1])] = parts[2:]  # a measured row, or "failed: ..."
+    return rows
+
+
+def test_scale_bench_prints_its_table():
+    out = _run(
+        str(BENCH / "scale.py"),
+        "--scenarios",
+        "a,c",
+        "--variants",
+        "inprocess,torch",
+        "--rounds",
+        "2",
+        "--small",
+    )
+    rows = _rows(out)
+    assert set(rows) == {("a", "inprocess"), ("a", "torch"), ("c", "inprocess"), ("c", "torch")}
+    assert not any("failed:" in " ".join(r) for r in rows.values())
+    assert rows[("a", "inprocess")][5] == rows[("a", "torch")][5]  # same SGD steps, same accuracy
+    assert "(a) plain torch / inprocess" in out and "(c) fedsim peak memory" in out
+
+
+def test_default_bench_prints_its_table():
+    out = _run(str(BENCH / "bench.py"), "--rounds", "2", "--variants", "vectorized,torch")
+    rows = _rows(out)
+    assert set(rows) == {("default", "vectorized"), ("default", "torch")}
+    assert rows[("default", "vectorized")][5] == rows[("default", "torch")][5]

@@ -1,0 +1,101 @@
+"""The vectorized engine trains a cohort as one batched model and matches the sequential ClientApp."""
+
+import json
+
+import pytest
+import torch
+from conftest import compose_cfg, read_metrics, run_tiny, without_wall_time
+from torch import nn
+
+from fedsim import build
+from fedsim.engines import vectorized
+from fedsim.training import LocalTraining, num_local_steps
+
+# Dirichlet(0.5) over 6 clients gives uneven sizes; batch 16 leaves partial last batches.
+CASES = {
+    "sgd": [],
+    "momentum-nesterov-wd": ["client=momentum", "client.optimizer=nesterov", "client.weight_decay=0.01"],
+    "fedprox-momentum": ["strategy=fedprox", "strategy.proximal_mu=0.5", "client=momentum"],
+    "fullbatch-steps": ["client=fedsgd", "client.local_steps=3"],
+}
+
+
+@pytest.fixture
+def batched_clients(monkeypatch):
+    """Count the clients trained by the batched path (not the ClientApp fallback)."""
+    seen = []
+    original = vectorized._train_bucket
+
+    def counting(members, *args):
+        seen.extend(c.task.partition_id for c in members)
+        return original(members, *args)
+
+    monkeypatch.setattr(vectorized, "_train_bucket", counting)
+    return seen
+
+
+def _close(a_dir, b_dir, rel=1e-5, atol=1e-5):
+    a, b = without_wall_time(read_metrics(a_dir)), without_wall_time(read_metrics(b_dir))
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=atol), (ra["round"], k)
+    ma, mb = torch.load(a_dir / "model.pt"), torch.load(b_dir / "model.pt")
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=rel, atol=atol)
+
+
+def test_setting_has_uneven_clients_and_partial_batches():
+    spec = json.loads(build.client_spec(compose_cfg("num_clients=6"), "cpu"))
+    sizes = [len(t) for t in build.build_partitions(spec)[0]]
+    assert len(set(sizes)) > 1
+    assert any(s % 16 for s in sizes)
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_sequential_inprocess(tmp_path, case, batched_clients):
+    over = ["num_rounds=3", *CASES[case]]
+    run_tiny(tmp_path / "seq", *over)
+    assert not batched_clients
+    summary = run_tiny(tmp_path / "vec", "engine=vectorized", *over)
+    assert summary["engine"] == "vectorized"
+    assert len(batched_clients) == 9  # 3 rounds x 3 clients, all batched
+    _close(tmp_path / "seq", tmp_path / "vec")
+
+
+def test_unsupported_optimizer_falls_back_to_the_client_app(tmp_path, batched_clients):
+    run_tiny(tmp_path / "seq", "client=adam")
+    run_tiny(tmp_path / "vec", "client=adam", "engine=vectorized")
+    assert not batched_clients
+    assert without_wall_time(read_metrics(tmp_path / "seq")) == without_wall_time(
+        read_metrics(tmp_path / "vec")
+    )
+
+
+def test_schedule_takes_exactly_the_sequential_steps():
+    for n, cfg in (
+        (37, LocalTraining(batch_size=16, local_epochs=2)),
+        (5, LocalTraining(batch_size=16)),
+        (37, LocalTraining(batch_size=0, local_steps=3)),
+        (37, LocalTraining(batch_size=8, local_steps=7)),
+    ):
+        gen = torch.Generator().manual_seed(0)
+        steps = vectorized.schedule(n, cfg, gen)
+        assert len(steps) == num_local_steps(n, cfg)
+        ref = torch.Generator().manual_seed(0)
+        first = torch.randperm(n, generator=ref)
+        bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
+        assert torch.equal(steps[0], first[:bs])
+        assert all(len(s) <= bs for s in steps)
+
+
+def test_models_it_cannot_batch_are_named():
+    assert vectorized.unsupported(nn.Sequential(nn.Linear(2, 2)), "cpu", False) is None
+    assert "buffers" in vectorized.unsupported(
+        nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), "cpu", False
+    )
+    assert "dropout" in vectorized.unsupported(nn.Sequential(nn.Linear(2, 2), nn.Dropout()), "cpu", False)
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3))
+    assert "convolutions" in vectorized.unsupported(conv, "cpu", False)
+    assert vectorized.unsupported(conv, "cpu", True) is None
+    assert vectorized.unsupported(conv, "cuda", False) is None
