@@ -246,16 +246,16 @@ class PoolGrid(Grid):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def partition_of(self, node_id: int) -> int:
+        """The partition id node ``node_id`` holds (known without asking the node or making its Context)."""
+        return int(self._node_config.get(keys.NODE_PARTITION_ID, node_id - 1))
+
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty when sequential or closed)."""
         return [w.proc.pid for w in self._workers]
 
     # ------------------------------------------------------------------------------------ execution
-    def _partition_id(self, node_id: int) -> int:
-        """The partition a node holds, without making its Context."""
-        return int(self._node_config.get(keys.NODE_PARTITION_ID, node_id - 1))
-
     def _context(self, node_id: int) -> Context:
         ctx = self._contexts.get(node_id)
         if ctx is None:
@@ -265,7 +265,7 @@ class PoolGrid(Grid):
                 state=RecordDict(),
                 run_config={},
                 node_config={
-                    keys.NODE_PARTITION_ID: self._partition_id(node_id),
+                    keys.NODE_PARTITION_ID: self.partition_of(node_id),
                     keys.NODE_NUM_PARTITIONS: self._n,
                     **self._node_config,
                 },
@@ -320,7 +320,7 @@ class PoolGrid(Grid):
                 return reply
             return None
         nid = msg.metadata.dst_node_id
-        pid = self._partition_id(nid)
+        pid = self.partition_of(nid)
         self._sizes[nid] = size = _partition_sizes(spec)[pid]
         return Message(
             RecordDict({keys.METRICS: MetricRecord({keys.PARTITION_ID: pid, keys.NUM_EXAMPLES: size})}),

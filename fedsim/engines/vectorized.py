@@ -162,7 +162,7 @@ class VectorizedGrid(PoolGrid):
         if keys.CLIP_NORM in cfg:
             self._skip("client-side clipping (clip-norm)")
             return None
-        pid = self._partition_id(msg.metadata.dst_node_id)
+        pid = self.partition_of(msg.metadata.dst_node_id)
         try:
             task = client_task(str(cfg[keys.RUN_SPEC]), pid)
         except Exception:  # noqa: BLE001  (the ClientApp turns it into this client's error reply)
