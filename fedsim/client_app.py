@@ -22,8 +22,15 @@ app = ClientApp()
 
 
 def _task(msg: Message, context: Context) -> ClientTask:
+    """This node's task: its partition of the run's data set, or its own folder when ``data-dir`` is set."""
+    from fedsim.node_data import node_partition, node_task  # here, so this edit stays inside _task
+
     spec = str(msg.content[keys.CONFIG][keys.RUN_SPEC])
-    return client_task(spec, int(context.node_config[keys.NODE_PARTITION_ID]))
+    partition_id = node_partition(context.node_config, spec)
+    data_dir = context.node_config.get(keys.NODE_DATA_DIR)
+    if data_dir:
+        return node_task(spec, str(data_dir), partition_id)
+    return client_task(spec, partition_id)
 
 
 def _load(task: ClientTask, arrays: ArrayRecord) -> None:
