@@ -171,6 +171,8 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
         "strategy", cfg.strategy, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1,
         fraction_evaluate=1.0 if cfg.get("federated_eval") else 0.0, min_evaluate_nodes=1,
     )
+    if getattr(strategy, "is_async", False):
+        _check_async(cfg, strategy)
     if getattr(strategy, "check_cohort", None):
         try:
             strategy.check_cohort(clients_per_round)
@@ -182,6 +184,19 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             clients_per_round=clients_per_round, seed=int(cfg.seed),
         )
     return strategy
+
+
+def _check_async(cfg: DictConfig, strategy) -> None:
+    """An asynchronous strategy: the population must hold its concurrency; no sync-only features."""
+    try:
+        strategy.check_population(int(cfg.num_clients))
+    except ConfigError as e:
+        raise e.with_prefix("strategy") from None
+    if cfg.clipping.get("_target_"):
+        raise ConfigError("clipping", cfg.clipping._target_.rsplit(".", 1)[-1],
+                          "none with an asynchronous strategy (clipping wraps synchronous aggregation)")
+    if cfg.get("federated_eval"):
+        raise ConfigError("federated_eval", True, "false with an asynchronous strategy")
 
 
 def build_heterogeneity(cfg: DictConfig, num_clients: int):

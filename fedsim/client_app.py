@@ -58,7 +58,8 @@ def train(msg: Message, context: Context) -> Message:
     task = _task(msg, context)
     cfg = msg.content[keys.CONFIG]
     _load(task, msg.content[keys.ARRAYS])
-    rnd = int(cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0)))
+    # the draw index: the round in synchronous FL, the task index in the asynchronous loop
+    rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
     gen = torch.Generator().manual_seed(int(np.random.SeedSequence([task.seed, 3, rnd, task.partition_id])
                                             .generate_state(1)[0]))
     clip = float(cfg[keys.CLIP_NORM]) if keys.CLIP_NORM in cfg else None
@@ -66,6 +67,7 @@ def train(msg: Message, context: Context) -> Message:
     loss, steps, seen = train_local(
         task.model, task.x_train, task.y_train, task.local, gen,
         proximal_mu=float(cfg.get(keys.PROXIMAL_MU, 0.0)),
+        max_steps=int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None,
     )
     metrics = {
         keys.NUM_EXAMPLES: int(task.x_train.shape[0]),

@@ -11,7 +11,8 @@ RUN_SPEC = "fedsim-spec"  # JSON of the resolved run config (task, data, client 
 MODEL_VERSION = "model-version"  # server model version the client starts from
 PROXIMAL_MU = "proximal-mu"  # set by Flower's FedProx
 CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by strategies.clipping)
-TRAIN_SEED = "train-seed"  # seed for this client's local training in this round
+TASK_ID = "task-id"  # async loop: index of this task (seeds local training and injected faults)
+MAX_STEPS = "max-steps"  # at most this many local steps (partial work before a deadline)
 
 # MetricRecord keys returned by clients
 NUM_EXAMPLES = "num-examples"

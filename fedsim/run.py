@@ -113,17 +113,33 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     every = int(cfg.get("checkpoint_every") or 0)
     ckpt_path = out_dir / "checkpoint.pt"
 
+    target = cfg.get("target_accuracy")
+    stop_at_target = bool(cfg.get("stop_at_target"))
+
     def on_round(record: dict, st: RunState) -> None:
         recorder.log(record)
+        acc = record.get("eval_accuracy")
+        if target is not None and acc is not None and acc >= target and "target_reached" not in st.extra:
+            st.extra["target_reached"] = {"round": record["round"], "sim_time": record.get("sim_time"),
+                                          "wall_time": recorder.records[-1]["wall_time"]}
+            log.warning("target accuracy %.4g reached at round %d (simulated time %.1f s)", target,
+                        record["round"], record.get("sim_time", 0.0))
+            if stop_at_target:
+                st.extra["stop_reason"] = f"target accuracy {target} reached"
         if every and st.round > 0 and (st.round % every == 0 or st.round == loop.num_rounds):
             checkpoint.save(ckpt_path, st, strategy, recorder.records)
 
-    server_loop = run_sync
-    if getattr(strategy, "is_async", False):
-        from fedsim.async_server import run_async as server_loop
+    deployed = grid is not None
 
     def server_main(grid) -> None:
-        server_loop(grid, loop, strategy, state, spec_json, evaluate_fn, clock, on_round)
+        if getattr(strategy, "is_async", False):
+            from fedsim.async_server import run_async
+
+            # deployment: real clients, real arrival order and wall-clock time
+            wall = True if deployed else None
+            run_async(grid, loop, strategy, state, spec_json, evaluate_fn, clock, on_round, wall_clock=wall)
+        else:
+            run_sync(grid, loop, strategy, state, spec_json, evaluate_fn, clock, on_round)
 
     engine = "deployment" if grid is not None else str(cfg.engine.name)
     status = "completed"
@@ -157,8 +173,11 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
             recorder.plot(title=" ".join(f"{k}={v}" for k, v in (choices or {}).items()))
         if status == "completed" and state.extra.get("stop_reason"):
             status = "stopped"
+        reached = state.extra.get("target_reached") or {}
         summary = recorder.summary({
             "status": status, "stop_reason": state.extra.get("stop_reason"), "engine": engine, "choices": choices or {},
+            "target_accuracy": target, "target_round": reached.get("round"), "target_sim_time": reached.get("sim_time"),
+            "target_wall_time": reached.get("wall_time"),
             "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
         })
         recorder.write_summary(summary)

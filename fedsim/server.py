@@ -7,6 +7,7 @@ aggregate in partition order, evaluate the global model on the server's test spl
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import Counter
@@ -18,9 +19,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedsim import keys
+from fedsim.build import local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, StopRun
 from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
+from fedsim.training import examples_processed, steps_within
 
 log = logging.getLogger("fedsim")
 
@@ -56,14 +59,62 @@ def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]
     return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
 
 
-def connect(grid: Grid, loop: LoopConfig, spec: str) -> dict[int, int]:
-    """Wait for ``loop.num_clients`` nodes and map each partition id to its node id."""
+def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, int], dict[int, int]]:
+    """Wait for ``loop.num_clients`` nodes; return ``({partition_id: node_id}, {partition_id: train size})``."""
     nodes = wait_for_nodes(grid, loop.num_clients, loop.node_timeout)
-    node_of = {pid: nid for pid, (nid, _) in discover(grid, nodes, spec, loop.node_timeout).items()}
-    missing = sorted(set(range(loop.num_clients)) - set(node_of))
+    found = discover(grid, nodes, spec, loop.node_timeout)
+    missing = sorted(set(range(loop.num_clients)) - set(found))
     if missing:
         raise RuntimeError(f"no node answered for partition ids {missing[:10]}")
-    return node_of
+    return {pid: nid for pid, (nid, _) in found.items()}, {pid: n for pid, (_, n) in found.items()}
+
+
+def connect(grid: Grid, loop: LoopConfig, spec: str) -> dict[int, int]:
+    """Wait for ``loop.num_clients`` nodes and map each partition id to its node id."""
+    return connect_sizes(grid, loop, spec)[0]
+
+
+class Workload:
+    """What a task of each client costs, known before it is sent: examples processed in local training."""
+
+    def __init__(self, spec: str, sizes: dict[int, int]) -> None:
+        self.local = local_training(json.loads(spec))
+        self.sizes = dict(sizes)
+
+    def examples(self, pid: int, max_steps: int | None = None) -> int:
+        """Examples client ``pid`` processes in one task (capped at ``max_steps`` steps)."""
+        return examples_processed(self.sizes[pid], self.local, max_steps)
+
+    def steps_within(self, pid: int, examples: int) -> int:
+        """The most local steps of client ``pid`` that fit in ``examples`` examples."""
+        return steps_within(self.sizes[pid], self.local, examples)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One sampled client's fate in a synchronous round, decided on the virtual clock before sending."""
+
+    pid: int
+    fate: str  # "train", "partial" (stops at the deadline, sends what it did), "dropout", "late"
+    duration: float  # simulated seconds until its reply (or until the server gives up on it)
+    max_steps: int | None = None
+
+
+def plan_round(clock: Heterogeneity, work: Workload, cohort: list[int], rnd: int) -> list[Plan]:
+    """Decide, for each sampled client, whether it trains fully, partially, drops out or misses the deadline."""
+    plans = []
+    for pid in cohort:
+        examples = work.examples(pid)
+        duration = clock.duration(pid, examples, task=rnd)
+        if clock.drops(pid, rnd):
+            plans.append(Plan(pid, "dropout", duration))
+        elif not clock.late(pid, examples, task=rnd):
+            plans.append(Plan(pid, "train", duration))
+        elif clock.partial_work and (steps := work.steps_within(pid, clock.partial_examples(pid, examples, rnd))):
+            plans.append(Plan(pid, "partial", clock.duration(pid, work.examples(pid, steps), rnd), steps))
+        else:
+            plans.append(Plan(pid, "late", duration))
+    return plans
 
 
 def record_initial(state: RunState, evaluate_fn, on_round) -> None:
@@ -87,23 +138,27 @@ def run_sync(
     on_round: Callable[[dict, RunState], None],
 ) -> RunState:
     """Run synchronous rounds until ``loop.num_rounds``; call ``on_round(record, state)`` after each."""
-    node_of = connect(grid, loop, spec)
+    node_of, sizes = connect_sizes(grid, loop, spec)
+    work = Workload(spec, sizes)
     if state.round == 0:
         record_initial(state, evaluate_fn, on_round)
 
-    while state.round < loop.num_rounds:
+    while state.round < loop.num_rounds and not state.extra.get("stop_reason"):
         rnd = state.round + 1
         t0 = time.perf_counter()
         cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
-        view = SampledGrid(grid, [node_of[p] for p in cohort])
+        plans = {p.pid: p for p in plan_round(clock, work, cohort, rnd)}
+        sent = [p for p in cohort if plans[p].fate in ("train", "partial")]
+        view = SampledGrid(grid, [node_of[p] for p in sent])
         config = ConfigRecord({keys.RUN_SPEC: spec})
         try:
-            messages = list(strategy.configure_train(rnd, state.arrays, config, view))
+            messages = list(strategy.configure_train(rnd, state.arrays, config, view)) if sent else []
         except StopRun as stop:
             log.warning("stopping before round %d: %s", rnd, stop)
             state.extra["stop_reason"] = str(stop)
             break
-        replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout))
+        _limit_partial(messages, plans, {nid: pid for pid, nid in node_of.items()})
+        replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout)) if messages else []
         valid, failures = screen_replies(replies, state.arrays)
         failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
         valid.sort(key=_pid)
@@ -113,10 +168,12 @@ def run_sync(
             record["failure_kinds"] = dict(kinds)
             for kind, detail in {k: d for k, d in failures}.items():
                 log.warning("round %d: %d client(s) failed (%s): %s", rnd, kinds[kind], kind, detail)
-        durations = [
-            clock.duration(_pid(r), int(r.content[keys.METRICS].get(keys.EXAMPLES_PROCESSED, 0))) for r in valid
-        ]
-        state.sim_time += max(durations, default=0.0)
+        fates = Counter(p.fate for p in plans.values())
+        for fate, field_name in (("dropout", "dropped_out"), ("late", "dropped_late"), ("partial", "partial_work")):
+            if fates[fate]:
+                record[field_name] = fates[fate]
+        waited = bool(fates["dropout"] or fates["late"])
+        state.sim_time += clock.round_time([plans[p].duration for p in sent], waited=waited)
         if len(valid) < loop.min_replies:
             log.warning("round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies)
             record["skipped"] = True
@@ -143,6 +200,15 @@ def run_sync(
         record["round_time"] = time.perf_counter() - t0
         on_round(record, state)
     return state
+
+
+def _limit_partial(messages: list[Message], plans: dict[int, Plan], pid_of: dict[int, int]) -> None:
+    """Tell each client that must stop at the deadline how many local steps it has (its own config copy)."""
+    for msg in messages:
+        plan = plans.get(pid_of.get(msg.metadata.dst_node_id, -1))
+        if plan is not None and plan.max_steps is not None:
+            cfg = msg.content[keys.CONFIG]
+            msg.content[keys.CONFIG] = ConfigRecord({**dict(cfg.items()), keys.MAX_STEPS: plan.max_steps})
 
 
 def _metric_fields(metrics: MetricRecord | None) -> dict:

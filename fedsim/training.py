@@ -52,6 +52,33 @@ def num_local_steps(n: int, cfg: LocalTraining) -> int:
     return cfg.local_epochs * -(-n // bs)
 
 
+def examples_processed(n: int, cfg: LocalTraining, max_steps: int | None = None) -> int:
+    """Examples a client with ``n`` examples processes in local training (what ``train_local`` reports).
+
+    The server uses it to predict a task's simulated duration before sending it.
+    """
+    if n <= 0:
+        return 0
+    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
+    steps = num_local_steps(n, cfg)
+    if max_steps is not None:
+        steps = min(steps, max_steps)
+    per_pass = -(-n // bs)
+    return (steps // per_pass) * n + (steps % per_pass) * bs
+
+
+def steps_within(n: int, cfg: LocalTraining, examples: int) -> int:
+    """The most local steps whose examples processed stay within ``examples`` (FedProx partial work)."""
+    lo, hi = 0, num_local_steps(n, cfg)
+    while lo < hi:  # largest s with examples_processed(n, cfg, s) <= examples (monotone in s)
+        mid = (lo + hi + 1) // 2
+        if examples_processed(n, cfg, mid) <= examples:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def train_local(
     model: nn.Module,
     x: torch.Tensor,
@@ -59,16 +86,20 @@ def train_local(
     cfg: LocalTraining,
     generator: torch.Generator,
     proximal_mu: float = 0.0,
+    max_steps: int | None = None,
 ) -> tuple[float, int, int]:
     """Train ``model`` in place on ``(x, y)``.
 
     Returns ``(mean train loss, optimiser steps, examples processed)``. With ``proximal_mu > 0`` the loss gets
     FedProx's ``mu/2 * ||w - w_start||^2``. With ``asgd`` the model ends at the average of the
-    iterates after each step (Polyak-Ruppert averaging).
+    iterates after each step (Polyak-Ruppert averaging). ``max_steps`` caps the steps (a client that must
+    stop at a deadline and send the work it finished).
     """
     n = x.shape[0]
     bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
     steps = num_local_steps(n, cfg)
+    if max_steps is not None:
+        steps = min(steps, max(0, int(max_steps)))
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, cfg)

@@ -65,6 +65,8 @@ def validate(cfg: DictConfig) -> None:
     _num(cfg, "round_timeout", 0.0, lo_open=True)
     _int(cfg, "eval_every", 1)
     _int(cfg, "checkpoint_every", 0, what="an integer >= 0 (0: no periodic checkpoints)")
+    if cfg.get("target_accuracy") is not None:
+        _num(cfg, "target_accuracy", 0.0, 1.0, lo_open=True)
     c = cfg.client
     if c.optimizer not in OPTIMIZERS:
         raise ConfigError("client.optimizer", c.optimizer, f"one of {', '.join(OPTIMIZERS)}")

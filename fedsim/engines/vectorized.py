@@ -188,10 +188,14 @@ class VectorizedGrid(PoolGrid):
         shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
         if {n: tuple(t.shape) for n, t in start.items()} != shapes:
             return None  # the ClientApp's strict load reports the mismatch
-        rnd = int(cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0)))
+        rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
         batches = schedule(
             int(task.x_train.shape[0]), task.local, train_generator(task.seed, rnd, task.partition_id)
         )
+        if keys.MAX_STEPS in cfg:  # partial work before a deadline: the first max-steps batches
+            batches = batches[: max(0, int(cfg[keys.MAX_STEPS]))]
+            if not batches:
+                return None
         return _Client(msg, task, start, batches)
 
     def _train(

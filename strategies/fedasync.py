@@ -1,0 +1,133 @@
+"""FedAsync (Xie, Koyejo, Gupta 2019, https://arxiv.org/abs/1903.03934): mix every client model in at once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from fedsim.errors import ConfigError
+from strategies.aggregate import cast_like, is_float
+from strategies.checks import integer, number
+from strategies.records import to_numpy, to_record
+from strategies.staleness import staleness_fn
+
+# Keyword arguments fedsim's composition root passes to every strategy; an async strategy has no use for them.
+FLOWER_KWARGS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes", "min_available_nodes")
+
+
+def mix(x: Mapping[str, np.ndarray], x_client: Mapping[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+    """``x + alpha (x_client - x)`` = ``(1 - alpha) x + alpha x_client`` on float arrays (float64).
+
+    Integer arrays (e.g. BatchNorm step counters) are taken from the client.
+    """
+    out = {}
+    for k, a in x.items():
+        if is_float(a):
+            xa = np.asarray(a, np.float64)
+            out[k] = xa + alpha * (np.asarray(x_client[k], np.float64) - xa)
+        else:
+            out[k] = np.asarray(x_client[k])
+    return out
+
+
+def async_knobs(concurrency: Any, max_staleness: Any, flower_kwargs: Mapping[str, Any]) -> tuple[int, int | None]:
+    """Validate what every async strategy has: ``concurrency >= 1``, ``max_staleness`` None or ``>= 0``."""
+    unknown = sorted(set(flower_kwargs) - set(FLOWER_KWARGS))
+    if unknown:
+        raise ConfigError(unknown[0], flower_kwargs[unknown[0]], "no such parameter of an asynchronous strategy")
+    if concurrency is None:
+        raise ConfigError("concurrency", None, "an integer >= 1",
+                          "Set strategy.concurrency (it defaults to clients_per_round, which is null here).")
+    c = integer("concurrency", concurrency, 1)
+    s = None if max_staleness is None else integer("max_staleness", max_staleness, 0)
+    return c, s
+
+
+def check_population(concurrency: int, num_clients: int) -> None:
+    """``ConfigError`` on ``concurrency`` when more clients should be busy than the population holds."""
+    if concurrency > num_clients:
+        raise ConfigError("concurrency", concurrency, f"an integer in [1, num_clients={num_clients}]",
+                          "At most one task is in flight per client.")
+
+
+class FedAsync:
+    """FedAsync: each client model is mixed into the global one as it arrives, down-weighted by staleness.
+
+    On an update ``x_client`` trained from version ``tau`` and arriving at version ``t``::
+
+        alpha_t = alpha * s(t - tau)
+        x      <- (1 - alpha_t) x + alpha_t x_client        # a new server model version
+
+    fedsim's asynchronous loop (``fedsim.async_server.run_async``) keeps ``concurrency`` clients busy, drops
+    updates staler than ``max_staleness`` before they reach the strategy, and calls ``on_update`` for each
+    valid one. The client's proximal term (the paper's rho) is the client's business: ``client.proximal_mu``
+    is not sent by this strategy.
+
+    Parameters
+    ----------
+    alpha : float
+        Mixing weight in (0, 1]; the paper and implementations use 0.6 (Plato 0.9).
+    staleness : str
+        ``constant``, ``polynomial`` ((1+s)^-a) or ``hinge`` (1 if s <= b else 1/(a(s-b)+1)).
+    staleness_a, staleness_b : float
+        Parameters ``a`` and ``b`` of the staleness function.
+    concurrency : int
+        Clients kept busy at once (>= 1, at most the population).
+    max_staleness : int or None
+        Updates staler than this are dropped (counted as ``dropped_stale``); None: keep all.
+    wall_clock : bool
+        True in deployment: real arrival order and wall-clock time instead of the simulated clock.
+    **flower_kwargs
+        ``fraction_train`` and friends, passed to every strategy by fedsim's builder; ignored.
+    """
+
+    is_async = True
+
+    def __init__(
+        self,
+        alpha: float = 0.6,
+        staleness: str = "polynomial",
+        staleness_a: float = 0.5,
+        staleness_b: float = 4.0,
+        concurrency: int | None = 10,
+        max_staleness: int | None = None,
+        wall_clock: bool = False,
+        **flower_kwargs: Any,
+    ) -> None:
+        self.alpha = number("alpha", alpha, 0.0, 1.0, lo_open=True)
+        self.staleness = staleness
+        self.weight = staleness_fn(staleness, staleness_a, staleness_b)
+        self.concurrency, self.max_staleness = async_knobs(concurrency, max_staleness, flower_kwargs)
+        self.wall_clock = bool(wall_clock)
+        self.updates = 0  # updates mixed in so far
+
+    def check_population(self, num_clients: int) -> None:
+        """Raise ``ConfigError`` (key ``concurrency``) if ``concurrency > num_clients``."""
+        check_population(self.concurrency, num_clients)
+
+    def mixing_weight(self, staleness: int) -> float:
+        """``alpha_t = alpha * s(staleness)``."""
+        return self.alpha * self.weight(staleness)
+
+    def on_update(
+        self, current: ArrayRecord, update: ArrayRecord, start: ArrayRecord, staleness: int, num_examples: int
+    ) -> ArrayRecord:
+        """Mix the client model ``update`` into ``current``; always a new version.
+
+        ``start`` (the model the client began from) and ``num_examples`` are not used by FedAsync.
+        """
+        x = to_numpy(current)
+        new = mix(x, to_numpy(update), self.mixing_weight(staleness))
+        self.updates += 1
+        return to_record(cast_like(new, x))
+
+    def state_dict(self) -> dict:
+        """FedAsync keeps no state besides its update count."""
+        return {"updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what ``state_dict`` returned."""
+        self.updates = int(state["updates"])
