@@ -1,0 +1,108 @@
+"""Test certificates and SuperNode keys for a TLS + node-authenticated federation (``cryptography`` only).
+
+``make_certs(folder, nodes=3)`` writes::
+
+    folder/ca.crt, ca.key            a self-signed test CA (10 years)
+    folder/server.pem, server.key    the SuperLink's certificate, signed by the CA, SAN localhost/127.0.0.1/::1
+                                     (plus any ``hosts`` given)
+    folder/supernode{i}, .pub        SuperNode i's ECDSA P-384 key pair (OpenSSH format, like
+                                     ``ssh-keygen -t ecdsa -b 384 -N ""``)
+
+These are for tests and trials. For real deployments use a certificate from your organisation's CA (or a
+public one) whose SAN names the SuperLink's host name, and generate each SuperNode's key on its own machine.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+CA_CERT, CA_KEY = "ca.crt", "ca.key"
+SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
+
+
+def node_key_name(i: int) -> str:
+    """File name of SuperNode ``i``'s private key (the public key adds ``.pub``)."""
+    return f"supernode{i}"
+
+
+def _san(hosts: tuple[str, ...]) -> x509.SubjectAlternativeName:
+    names: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            names.append(x509.DNSName(h))
+    return x509.SubjectAlternativeName(names)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    path.write_bytes(data)
+    os.chmod(path, 0o600)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
+                             serialization.NoEncryption())
+
+
+def _cert(subject: str, issuer: x509.Name | None, key, signer, days: int, ca: bool, hosts=()) -> x509.Certificate:
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    now = dt.datetime.now(dt.timezone.utc)
+    b = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name).public_key(key.public_key())
+         .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+         .not_valid_after(now + dt.timedelta(days=days))
+         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                          content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                          key_agreement=False, encipher_only=False, decipher_only=False),
+                            critical=True)
+    else:
+        b = b.add_extension(_san(tuple(hosts)), critical=False)
+        b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+    return b.sign(signer, hashes.SHA256())
+
+
+def make_certs(folder: str | Path, nodes: int = 3, hosts: tuple[str, ...] = (), days: int = 3650) -> Path:
+    """Write a test CA, a SuperLink certificate and ``nodes`` SuperNode key pairs into ``folder``.
+
+    ``hosts`` adds host names or IP addresses to the server certificate's SAN (for a SuperLink reached by
+    another name than localhost). Returns ``folder``.
+    """
+    if nodes < 0:
+        raise ValueError(f"nodes={nodes} is not allowed: expected an integer >= 0")
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = _cert("fedsim test CA", None, ca_key, ca_key, days, ca=True)
+    _write_private(out / CA_KEY, _pem_key(ca_key))
+    (out / CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    srv_key = ec.generate_private_key(ec.SECP384R1())
+    all_hosts = tuple(dict.fromkeys((*DEFAULT_HOSTS, *hosts)))
+    srv_cert = _cert("fedsim superlink", ca_cert.subject, srv_key, ca_key, days, ca=False, hosts=all_hosts)
+    _write_private(out / SERVER_KEY, _pem_key(srv_key))
+    (out / SERVER_CERT).write_bytes(srv_cert.public_bytes(serialization.Encoding.PEM))
+    for i in range(nodes):
+        make_node_key(out / node_key_name(i), comment=f"fedsim-{node_key_name(i)}")
+    return out
+
+
+def make_node_key(path: str | Path, comment: str = "") -> Path:
+    """Write one SuperNode ECDSA P-384 key pair: ``path`` (private, OpenSSH) and ``path.pub``; return ``path``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    _write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                           serialization.NoEncryption()))
+    pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    path.with_name(path.name + ".pub").write_bytes(pub + (b" " + comment.encode() if comment else b"") + b"\n")
+    return path

@@ -1,0 +1,215 @@
+"""fedsim's Flower ServerApp for deployment (SuperLink + SuperNodes).
+
+``flwr run . <connection> --run-config "overrides='strategy=fedbuff num_rounds=5'"`` means exactly what
+``fedsim strategy=fedbuff num_rounds=5`` means in simulation: the ServerApp composes the same Hydra config
+(compose API) from the ``overrides`` string of ``run_config`` and hands the SuperLink's Grid to
+``fedsim.run.run_experiment``, which runs the same server loop as every other engine.
+
+run_config keys (declared in pyproject's ``[tool.flwr.app.config]``):
+
+* ``overrides``: one string of Hydra overrides, split like a shell command line (``shlex``).
+* ``out-dir``: the run folder. Empty: ``outputs/deploy-<YYYY-mm-dd_HH-MM-SS>``. A relative path is taken from
+  the ServerApp's working directory, which is the directory the ``flower-superlink`` was started in.
+
+Besides the usual run folder (metrics.jsonl, summary.json, model.pt, ...), a deployed run writes
+``replies.jsonl``: one line per reply from a SuperNode (``time`` since the start, message ``type``,
+``node_id``, the ``partition_id`` and ``num_examples`` the node reported, ``error`` if any), to see who
+answered what, with how much data, and when.
+
+A config error ends the run with one line naming the key and the value (``flwr ls`` shows it as the run's
+status details; ``flwr log`` shows it too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from flwr.app import Context, Message
+from flwr.serverapp import Grid, ServerApp
+from omegaconf import DictConfig, open_dict
+
+from fedsim import keys
+from fedsim.errors import ConfigError
+
+OVERRIDES = "overrides"  # run_config key: Hydra overrides, one string
+OUT_DIR = "out-dir"  # run_config key: the run folder ("" = outputs/deploy-<timestamp>)
+
+log = logging.getLogger("fedsim")
+app = ServerApp()
+
+
+class DeployConfigError(RuntimeError):
+    """A deployed run's configuration cannot be used; the message is one line for ``flwr ls``/``flwr log``."""
+
+
+def parse_overrides(text: str) -> list[str]:
+    """Split the ``overrides`` run_config string into Hydra overrides (shell-like quoting)."""
+    try:
+        return shlex.split(str(text))
+    except ValueError as e:  # unbalanced quotes
+        raise ConfigError(OVERRIDES, text, "Hydra overrides separated by spaces, with balanced quotes",
+                          f"({e}).") from None
+
+
+def _config_source() -> tuple[str, str]:
+    """Where fedsim's YAML configs live: ``("dir", path)`` or ``("module", "fedsim.conf")``.
+
+    A deployed app runs from the unpacked Flower App bundle (FAB), where the configs sit in ``conf/`` next to
+    the ``fedsim`` package (the source layout; the installed package maps it to ``fedsim.conf``). Prefer that
+    copy so the configs always match the shipped code.
+    """
+    import fedsim
+
+    conf = Path(fedsim.__file__).resolve().parent.parent / "conf"
+    if (conf / "config.yaml").is_file():
+        return "dir", str(conf)
+    return "module", "fedsim.conf"
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra's multi-line composition errors as one line (without the config search path)."""
+    text = str(exc).split("Config search path:")[0]
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    out = "; ".join(lines)
+    return out.replace(":;", ":")
+
+
+def compose_config(overrides: list[str]) -> tuple[DictConfig, dict]:
+    """Compose fedsim's config with ``overrides``; return it (without the ``hydra`` node) and the group choices.
+
+    Raises
+    ------
+    DeployConfigError
+        When Hydra cannot compose the config (unknown key or group option, bad override syntax).
+    """
+    from hydra import compose, initialize_config_dir, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    kind, where = _config_source()
+    GlobalHydra.instance().clear()
+    init = (initialize_config_dir(config_dir=where, version_base=None) if kind == "dir"
+            else initialize_config_module(config_module=where, version_base=None))
+    try:
+        with init:
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    except HydraException as e:
+        raise DeployConfigError(f"fedsim config error in overrides {' '.join(overrides)!r}: {_one_line(e)}") from None
+    finally:
+        GlobalHydra.instance().clear()
+    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return cfg, choices
+
+
+class ReplyLog(Grid):
+    """The SuperLink's Grid, forwarding every call, that writes one ``replies.jsonl`` line per reply."""
+
+    def __init__(self, grid: Grid, path: Path) -> None:
+        self._grid = grid
+        self._path = path
+        self._file = None  # opened at the first reply, so a run that fails its config leaves no file
+        self._t0 = time.monotonic()
+
+    def _record(self, replies: Iterable[Message]) -> list[Message]:
+        replies = list(replies)
+        if replies and self._file is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._path, "a", encoding="utf-8")
+        for r in replies:
+            line: dict = {"time": round(time.monotonic() - self._t0, 3), "type": r.metadata.message_type,
+                          "node_id": int(r.metadata.src_node_id), "partition_id": None, "num_examples": None,
+                          "error": None}
+            if r.has_error():
+                line["error"] = str(r.error.reason)[:300]
+            elif r.has_content() and keys.METRICS in r.content:
+                m = r.content[keys.METRICS]
+                for field, key in (("partition_id", keys.PARTITION_ID), ("num_examples", keys.NUM_EXAMPLES)):
+                    line[field] = None if m.get(key) is None else int(m[key])
+            self._file.write(json.dumps(line) + "\n")
+        if self._file is not None:
+            self._file.flush()
+        return replies
+
+    def close(self) -> None:
+        """Close replies.jsonl."""
+        if self._file is not None:
+            self._file.close()
+
+    def set_run(self, run):  # noqa: D102
+        self._grid.set_run(run)
+
+    @property
+    def run(self):  # noqa: D102
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: D102
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages):  # noqa: D102
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):  # noqa: D102
+        return self._record(self._grid.pull_messages(message_ids))
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+        return self._record(self._grid.send_and_receive(messages, timeout=timeout))
+
+
+def default_out_dir(now: float | None = None) -> Path:
+    """``outputs/deploy-<timestamp>`` (relative: resolved against the working directory)."""
+    return Path("outputs") / time.strftime("deploy-%Y-%m-%d_%H-%M-%S", time.localtime(now))
+
+
+def out_dir_from(run_config: dict) -> Path:
+    """The run folder named by ``out-dir`` in ``run_config``, or the default one."""
+    value = str(run_config.get(OUT_DIR, "") or "").strip()
+    return Path(value).expanduser() if value else default_out_dir()
+
+
+def experiment_from(run_config: dict) -> tuple[DictConfig, dict, Path]:
+    """Config, group choices and run folder of a deployed run, from its ``run_config``."""
+    try:
+        overrides = parse_overrides(run_config.get(OVERRIDES, ""))
+    except ConfigError as e:
+        raise DeployConfigError(f"fedsim config error: {e}") from None
+    from fedsim.cli import unknown_key
+
+    unknown = unknown_key(overrides)  # the same check, and hint, as on the fedsim command line
+    if unknown:
+        raise DeployConfigError(f"fedsim config error: {unknown}")
+    cfg, choices = compose_config(overrides)
+    return cfg, choices, out_dir_from(run_config)
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Compose the run's config from ``run_config`` and run fedsim's server loop on the SuperLink's Grid."""
+    from fedsim.run import run_experiment
+
+    if not log.handlers:  # progress and warnings reach `flwr log` through the ServerApp's stderr
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("fedsim %(levelname)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    cfg, choices, out_dir = experiment_from(dict(context.run_config))
+    log.info("run folder: %s", out_dir.resolve())
+    replies = ReplyLog(grid, out_dir / "replies.jsonl")
+    try:
+        summary = run_experiment(cfg, out_dir, choices, grid=replies)
+    except ConfigError as e:
+        log.error("config error: %s", e)
+        raise DeployConfigError(f"fedsim config error: {e}") from None
+    finally:
+        replies.close()
+    log.info("run %s: %s rounds in %.1f s, final accuracy %s", summary.get("status"), summary.get("rounds_done"),
+             summary.get("wall_time", 0.0), summary.get("final_eval_accuracy"))
