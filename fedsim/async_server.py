@@ -124,6 +124,7 @@ class AsyncLoop:
         self.t0 = time.monotonic() - (state.sim_time if wall_clock else 0.0)
         self.idle_tasks = 0
         self._early: list[Message] = []
+        self._replies: dict[str, Message] = {}  # simulation: replies computed ahead of their turn
 
     # ------------------------------------------------------------------ dispatch
     def now(self) -> float:
@@ -173,15 +174,22 @@ class AsyncLoop:
         return self.next_arrival()
 
     def wait_for(self, t: Task) -> Message | None:
-        """The reply to ``t``, polling the grid up to ``round_timeout`` seconds (None on timeout)."""
+        """The reply to ``t``, polling the grid up to ``round_timeout`` seconds (None on timeout).
+
+        Every task in flight is asked for at once: their content is fixed when they are sent, so computing
+        them ahead changes nothing, and local engines can run them together (worker pool, one vmap batch).
+        """
         end = time.monotonic() + self.loop.round_timeout
-        while True:
-            replies = list(self.grid.pull_messages([t.msg_id]))
-            if replies:
-                return replies[0]
+        while t.msg_id not in self._replies:
+            wanted = [x.msg_id for _, _, x in self.inflight if x.msg_id is not None and x.msg_id not in self._replies]
+            for rep in self.grid.pull_messages([t.msg_id, *(m for m in wanted if m != t.msg_id)]):
+                self._replies[rep.metadata.reply_to_message_id] = rep
+            if t.msg_id in self._replies:
+                break
             if time.monotonic() > end:
                 return None
             time.sleep(POLL)
+        return self._replies.pop(t.msg_id)
 
     def next_arrival(self) -> tuple[Task, Message | None]:
         """Deployment: the first reply to arrive, or the first task past its timeout."""

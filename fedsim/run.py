@@ -147,7 +147,11 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
         if grid is not None:
             server_main(grid)
         elif engine in LOCAL_ENGINES:
-            server_main(local_grid(engine, int(cfg.num_clients), OmegaConf.to_container(cfg.engine, resolve=True)))
+            local = local_grid(engine, int(cfg.num_clients), OmegaConf.to_container(cfg.engine, resolve=True))
+            try:
+                server_main(local)
+            finally:
+                getattr(local, "close", lambda: None)()  # stop worker processes, also after errors
         elif engine == "ray":
             from fedsim.engines import ray as ray_engine
 

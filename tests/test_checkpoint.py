@@ -25,6 +25,20 @@ def test_resume_is_bit_identical(tmp_path, strategy):
     assert _same_models(resumed, full)
 
 
+def test_resume_with_adaptive_clipping_and_accountant_is_bit_identical(tmp_path):
+    # the clip norm, the noise stream and the privacy accountant all continue where they stopped
+    over = ["clipping=adaptive", "clipping.noise_multiplier=0.5", "num_rounds=4", "checkpoint_every=2"]
+    run_tiny(tmp_path / "full", *over)
+    run_tiny(tmp_path / "part", *over[:-2], "num_rounds=2", "checkpoint_every=2")
+    run_tiny(tmp_path / "resumed", *over, f"resume={tmp_path / 'part'}")
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "resumed")
+    assert without_wall_time(resumed) == without_wall_time(full)
+    eps = [r["epsilon"] for r in full[1:]]
+    assert eps == sorted(eps) and eps[0] > 0  # the accountant kept counting across the restart
+    assert len({r["clip_norm"] for r in full[1:]}) > 1  # the adaptive norm moved
+    assert _same_models(tmp_path / "resumed", tmp_path / "full")
+
+
 def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     import fedsim.server as server
 
