@@ -227,6 +227,45 @@ def test_unregistered_key_is_refused(fed):
     assert len(_online(fed)) == N
 
 
+def _expected_examples(overrides: list[str]) -> dict[int, int]:
+    """Training examples per partition: the partitioner's share for nodes 0 and 1, node 2's own folder."""
+    spec = json.loads(build.client_spec(compose_cfg(*overrides), device="cpu"))
+    shares = build.build_partitions(spec)[0]
+    assert NODE2_TRAIN != len(shares[2])  # otherwise the data-dir check would prove nothing
+    return {0: len(shares[0]), 1: len(shares[1]), 2: NODE2_TRAIN}
+
+
+def _check_replies(fed: Federation, out: Path, overrides: list[str]) -> list[dict]:
+    """Every reply came from the node whose registered key belongs to its partition, with that partition's data."""
+    train = _replies(out, "train")
+    assert train and not any(r["error"] for r in train)
+    for r in _replies(out, "query") + train:
+        assert r["node_id"] == fed.node_ids[r["partition_id"]]
+    expected = _expected_examples(overrides)
+    assert all(r["num_examples"] == expected[r["partition_id"]] for r in train)
+    return train
+
+
+@needs_flower
+def test_fedbuff_in_wall_clock_arrival_order(fed):
+    """FedBuff (K=2) with all three nodes busy: two server versions from real replies in arrival order."""
+    overrides = [*TINY, "strategy=fedbuff", "strategy.buffer_size=2", "num_rounds=2", "round_timeout=120"]
+    run_id, out = _start_run(fed, "fedbuff", overrides)
+    _finish(fed, run_id, out)
+    records = read_metrics(out)
+    assert [r["round"] for r in records] == [0, 1, 2]
+    assert [r["num_clients"] for r in records[1:]] == [2, 2] and records[2]["updates_total"] == 4
+    assert all(r["failures"] == 0 for r in records[1:])
+    # deployment: sim_time is wall-clock seconds since the start, not the simulated clock
+    assert 0 < records[1]["sim_time"] <= records[2]["sim_time"] < 600
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["engine"] == "deployment"
+    train = _check_replies(fed, out, overrides)
+    assert len(train) >= 4 and {r["partition_id"] for r in train} == {0, 1, 2}
+    times = [r["time"] for r in train]
+    assert times == sorted(times)
+
+
 @needs_flower
 def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     """Three synchronous FedAvg rounds; SuperNode 2 is killed (with its helpers) after round 2.
@@ -250,15 +289,5 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["engine"] == "deployment" and summary["rounds_done"] == 3
 
-    # Each node answered for one partition only: the one its registered key belongs to...
-    train = _replies(out, "train")
-    assert not any(r["error"] for r in train)
-    for r in _replies(out, "query") + train:
-        assert r["node_id"] == fed.node_ids[r["partition_id"]]
+    train = _check_replies(fed, out, overrides)
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
-    # ... and trained on that partition's examples: the partitioner's share, or node 2's own folder.
-    spec = json.loads(build.client_spec(compose_cfg(*overrides), device="cpu"))
-    shares = build.build_partitions(spec)[0]
-    expected = {0: len(shares[0]), 1: len(shares[1]), 2: NODE2_TRAIN}
-    assert expected[2] != len(shares[2])  # otherwise the data-dir check below would prove nothing
-    assert {r["partition_id"]: r["num_examples"] for r in train} == expected
