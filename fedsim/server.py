@@ -19,7 +19,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedsim import keys
-from fedsim.build import local_training
+from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, StopRun
 from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
@@ -62,7 +62,15 @@ def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]
 def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, int], dict[int, int]]:
     """Wait for ``loop.num_clients`` nodes; return ``({partition_id: node_id}, {partition_id: train size})``."""
     nodes = wait_for_nodes(grid, loop.num_clients, loop.node_timeout)
-    found = discover(grid, nodes, spec, loop.node_timeout)
+    partition_of = getattr(grid, "partition_of", None)
+    if partition_of is not None:  # a local engine knows its nodes: ask one (to surface a broken client), not all
+        first = discover(grid, nodes[:1], spec, loop.node_timeout)
+        train, _ = build_partitions(json.loads(spec))
+        found = {partition_of(n): (n, len(train[partition_of(n)])) for n in nodes}
+        if any(found.get(pid) != got for pid, got in first.items()):
+            raise RuntimeError(f"node {nodes[0]} reports partition {first} but the grid maps it differently")
+    else:
+        found = discover(grid, nodes, spec, loop.node_timeout)
     missing = sorted(set(range(loop.num_clients)) - set(found))
     if missing:
         raise RuntimeError(f"no node answered for partition ids {missing[:10]}")
