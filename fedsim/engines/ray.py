@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Callable
 
 from flwr.app import Context
@@ -38,8 +39,33 @@ def backend_config(
     }
 
 
+def check_address(address: str | None, timeout: float = 5.0) -> None:
+    """Fail fast, with one line, when nothing answers at a ``HOST:PORT`` Ray address.
+
+    ``ray.init`` itself retries an unreachable address for a long time. ``None``, ``"auto"`` (the cluster this
+    machine belongs to) and ``ray://`` client addresses are left to Ray.
+    """
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    allowed = "the HOST:PORT of a running Ray head node (`ray start --head --port=PORT`), 'auto' or null"
+    if not sep or not port.isdigit():
+        raise ConfigError("engine.address", address, allowed)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as e:
+        raise ConfigError("engine.address", address, allowed, f"Nothing answers there ({e}).") from None
+
+
 def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) -> None:
-    """Run ``server_main(grid)`` as a ServerApp against ``num_clients`` simulated SuperNodes."""
+    """Run ``server_main(grid)`` as a ServerApp against ``num_clients`` simulated SuperNodes.
+
+    With ``address`` in ``backend["init_args"]`` the simulation joins that Ray cluster (``ray start --head``
+    on one machine, ``ray start --address=HEAD:PORT`` on the others); ClientApp actors are placed on any node
+    with free ``client_resources``, so every node needs fedsim installed in the same environment.
+    """
+    check_address(backend["init_args"].get("address"))
     if backend["client_resources"]["num_gpus"] > 0:
         import torch
 
