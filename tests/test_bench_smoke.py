@@ -45,3 +45,12 @@ def test_default_bench_prints_its_table():
     rows = _rows(out)
     assert set(rows) == {("default", "vectorized"), ("default", "torch")}
     assert rows[("default", "vectorized")][5] == rows[("default", "torch")][5]
+
+
+def test_async_vs_sync_bench_runs_the_sweep_and_prints_its_table(tmp_path):
+    out = _run(str(BENCH / "async_vs_sync.py"), "--sweep-dir", str(tmp_path / "sweep"), "--seeds", "0",
+               "--out", str(tmp_path / "plot.png"), "num_rounds=2", "num_clients=12", "clients_per_round=4")
+    lines = [ln.split() for ln in out.splitlines()]
+    strategies = [p[0] for p in lines if len(p) == 4 and p[1] == "0"]
+    assert strategies == ["fedavg", "fedasync", "fedbuff"]
+    assert (tmp_path / "plot.png").stat().st_size > 0
