@@ -11,6 +11,9 @@ def test_ray_engine_matches_inprocess(tmp_path):
     run_tiny(tmp_path / "inproc", *over)
     summary = run_tiny(tmp_path / "ray", "engine=ray", *over)
     assert summary["engine"] == "ray" and summary["rounds_done"] == 3
+    import ray
+
+    assert not ray.is_initialized()  # Ray is shut down after the run, so sweeps do not leak it
     a, b = read_metrics(tmp_path / "inproc"), read_metrics(tmp_path / "ray")
     for ra, rb in zip(without_wall_time(a), without_wall_time(b), strict=True):
         assert ra.keys() == rb.keys()
