@@ -66,7 +66,8 @@ def discover(grid: Grid, node_ids: list[int], spec: str, timeout: float) -> dict
     found: dict[int, tuple[int, int]] = {}
     for rep in grid.send_and_receive(msgs, timeout=timeout):
         if rep.has_error():
-            raise RuntimeError(f"client on node {rep.metadata.src_node_id} failed to start: {rep.error.reason}")
+            raise RuntimeError(
+                f"client on node {rep.metadata.src_node_id} failed to start: {first_line(str(rep.error.reason))}")
         m = rep.content[keys.METRICS]
         pid = int(m[keys.PARTITION_ID])
         if pid in found:

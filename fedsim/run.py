@@ -97,7 +97,8 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     evaluate_fn = make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device)
     loop = LoopConfig(
         seed=int(cfg.seed), num_clients=int(cfg.num_clients), num_rounds=int(cfg.num_rounds), clients_per_round=m,
-        min_replies=int(cfg.min_replies), round_timeout=float(cfg.round_timeout), eval_every=int(cfg.eval_every),
+        min_replies=int(cfg.min_replies), round_timeout=float(cfg.round_timeout),
+        node_timeout=float(cfg.get("node_timeout", 300)), eval_every=int(cfg.eval_every),
         federated_eval=bool(cfg.federated_eval),
     )
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -63,6 +63,8 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "min_replies", 1, m, what=f"an integer in [1, clients_per_round={m}]")
     _num(cfg, "val_fraction", 0.0, 1.0, hi_open=True)
     _num(cfg, "round_timeout", 0.0, lo_open=True)
+    if cfg.get("node_timeout") is not None:
+        _num(cfg, "node_timeout", 0.0, lo_open=True)
     _int(cfg, "eval_every", 1)
     _int(cfg, "checkpoint_every", 0, what="an integer >= 0 (0: no periodic checkpoints)")
     if cfg.get("target_accuracy") is not None:
