@@ -55,7 +55,10 @@ def test_config_option_composes_and_runs(group, option, tmp_path):
     if group == "model" and option == "cnn":
         overrides.append("dataset=digits")
     cfg = compose_cfg(*overrides)
-    assert cfg[group] is not None
+    if group == "experiment":  # a `@package _global_` bundle: it must change something
+        assert cfg != compose_cfg(*extra)
+    else:
+        assert cfg[group] is not None
     if (group, option) in NEEDS:
         pytest.skip(f"composed; running it needs {NEEDS[(group, option)]}")
     if group == "partitioner" and option == "natural":
