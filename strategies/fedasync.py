@@ -80,6 +80,9 @@ class FedAsync:
         Updates staler than this are dropped (counted as ``dropped_stale``); None: keep all.
     wall_clock : bool
         True in deployment: real arrival order and wall-clock time instead of the simulated clock.
+    default_num_rounds : int, optional
+        Only for the config: the run's ``num_rounds`` defaults to it (one version per update needs more
+        versions than a synchronous run has rounds).
     **flower_kwargs
         ``fraction_train`` and friends, passed to every strategy by fedsim's builder; ignored.
     """
@@ -95,8 +98,10 @@ class FedAsync:
         concurrency: int | None = 10,
         max_staleness: int | None = None,
         wall_clock: bool = False,
+        default_num_rounds: int | None = None,
         **flower_kwargs: Any,
     ) -> None:
+        del default_num_rounds  # read by the config (the run's num_rounds default), not by the strategy
         self.alpha = number("alpha", alpha, 0.0, 1.0, lo_open=True)
         self.staleness = staleness
         self.weight = staleness_fn(staleness, staleness_a, staleness_b)
