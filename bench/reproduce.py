@@ -42,7 +42,9 @@ SWEEPS = {
                          "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true"),
     ],
     "dp": [
-        ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2"),
+        ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8"),
+        ("dp_adaptive", "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm "
+                        "clipping.noise_multiplier=0,1,4"),
     ],
 }
 TARGETS = {"fedavg_digits": (0.90, 0.90), "fedavg_mnist": (0.80, 0.70)}  # (IID, shards)
@@ -89,9 +91,13 @@ def fedavg_table(out: Path, prefix: str, targets: tuple[float, float]) -> str:
             tgt = targets[0] if part == "iid" else targets[1]
             rows.setdefault(key, {})[part] = (rounds_to(s["records"], tgt), s["rounds_done"], s["wall_time"])
     base = rows.get(("FedSGD", 1, "inf"), {})
-    lines = [f"| method | E | B | IID: rounds to {targets[0]:.2f} | shards: rounds to {targets[1]:.2f} | wall s |",
-             "|---|---|---|---|---|---|"]
-    for key in sorted(rows, key=lambda k: (k[0] != "FedSGD", k[1], k[2] != "inf", -int(k[2]) if k[2] != "inf" else 0)):
+    lines = [f"| method | E | B | IID: rounds to {targets[0]:.2f} | shards: rounds to {targets[1]:.2f} "
+             "| wall s (both runs) |", "|---|---|---|---|---|---|"]
+
+    def order(k):
+        return k[0] != "FedSGD", k[1], k[2] != "inf", -int(k[2]) if k[2] != "inf" else 0
+
+    for key in sorted(rows, key=order):
         cells, wall = [], 0.0
         for part in ("iid", "shards"):
             if part not in rows[key]:
@@ -115,9 +121,11 @@ def _mean_last(records: list[dict], key: str, n: int = 10) -> float:
     return sum(vals) / max(len(vals), 1)
 
 
-def fedprox_rows(out: Path) -> list[tuple[str, float, dict]]:
+def fedprox_rows(out: Path, suffix: str = "") -> list[tuple[str, float, dict]]:
     rows = []
-    for sweep in ("fedprox_fedavg", "fedprox_prox"):
+    more = sorted(p.name for p in out.glob(f"fedprox_prox{suffix}_*")) if suffix else []
+    sweeps = [f"fedprox_fedavg{suffix}", f"fedprox_prox{suffix}", *more]
+    for sweep in sweeps:
         for s in runs(out, sweep):
             c = s["config"]
             strag = c["heterogeneity"]["straggler_prob"]
@@ -132,28 +140,31 @@ def fedprox_rows(out: Path) -> list[tuple[str, float, dict]]:
     return rows
 
 
-def fedprox_table(out: Path) -> str:
+def fedprox_table(out: Path, suffix: str = "") -> str:
     lines = ["| stragglers | method | final acc | mean acc, last 10 rounds | min acc after round 10 | "
              "final test loss | rounds skipped | wall s |", "|---|---|---|---|---|---|---|---|"]
-    for name, strag, s in sorted(fedprox_rows(out), key=lambda t: (t[1], t[0])):
+    for name, strag, s in sorted(fedprox_rows(out, suffix), key=lambda t: (t[1], t[0])):
         rec = s["records"]
         skipped = sum(1 for r in rec if r.get("skipped"))
         later = [r["eval_accuracy"] for r in rec if r["round"] > 10 and r.get("eval_accuracy") is not None]
-        lines.append(f"| {strag:.0%} | {name} | {s['final_eval_accuracy']:.3f} | {_mean_last(rec, 'eval_accuracy'):.3f}"
+        lines.append(f"| {strag:.0%} | {name} | {s['final_eval_accuracy']:.3f} "
+                     f"| {_mean_last(rec, 'eval_accuracy'):.3f}"
                      f" | {min(later, default=float('nan')):.3f} | {s['final_eval_loss']:.3f} | {skipped} |"
                      f" {s['wall_time']:.0f} |")
     return "\n".join(lines)
 
 
 def dp_table(out: Path, sweep: str = "dp_fixed") -> str:
-    lines = ["| z | final acc | best acc | ε at δ=1e-5 | noise std | clipped fraction (last round) | wall s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| z | final acc | best acc | ε at δ=1e-5 | clip norm C (last round) | noise std | "
+             "clipped fraction (last round) | wall s |", "|---|---|---|---|---|---|---|---|"]
     for s in runs(out, sweep):
         z = s["config"]["clipping"]["noise_multiplier"]
         last = s["records"][-1]
         eps = last.get("epsilon")
         lines.append(f"| {z:g} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
-                     f"{'∞ (no noise)' if not eps else f'{eps:.2f}'} | {last.get('noise_std', 0.0):.4f} | "
+                     f"{'∞ (no noise)' if not eps else f'{eps:.2f}'} | "
+                     f"{last.get('clip_norm', float('nan')):.3f} | "
+                     f"{last.get('noise_std', 0.0):.4f} | "
                      f"{last.get('clipped_fraction', float('nan')):.2f} | {s['wall_time']:.0f} |")
     return "\n".join(lines)
 
@@ -191,7 +202,8 @@ def figures(out: Path, dest: Path) -> None:
 
     rows = fedprox_rows(out)
     if rows:
-        colors = {"FedAvg (drops stragglers)": "tab:blue", "FedProx μ=0": "tab:orange", "FedProx μ=1": "tab:green"}
+        colors = {"FedAvg (drops stragglers)": "tab:blue", "FedProx μ=0": "tab:orange",
+                  "FedProx μ=1": "tab:green"}
         fig, axes = plt.subplots(2, 2, figsize=(9, 5.6), sharex=True, sharey="row")
         for col, strag in enumerate((0.0, 0.9)):
             for name, st, s in rows:
@@ -213,12 +225,12 @@ def figures(out: Path, dest: Path) -> None:
     dp = runs(out, "dp_fixed")
     if dp:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-        for s in dp:
+        for i, s in enumerate(dp):
             z = s["config"]["clipping"]["noise_multiplier"]
-            axes[0].plot(*acc(s), lw=1.2, label=f"z={z:g}")
+            axes[0].plot(*acc(s), lw=1.2, label=f"z={z:g}", color=f"C{i}")
             pts = [(r["epsilon"], r["eval_accuracy"]) for r in s["records"] if r.get("epsilon")]
             if pts:
-                axes[1].plot(*zip(*pts), lw=1.2, label=f"z={z:g}")
+                axes[1].plot(*zip(*pts), lw=1.2, label=f"z={z:g}", color=f"C{i}")
         axes[0].set_xlabel("round")
         axes[0].set_ylabel("test accuracy")
         axes[0].legend(fontsize=7)
@@ -248,8 +260,13 @@ def main() -> None:
             print(fedavg_table(a.out, "fmnist" if rep == "fedavg_mnist" else "digits", TARGETS[rep]))
         elif rep == "fedprox":
             print(fedprox_table(a.out))
+            if (a.out / "fedprox_fedavg_seed1").exists():
+                print("\nseed 1 (another Synthetic(1,1) draw):\n")
+                print(fedprox_table(a.out, "_seed1"))
         else:
             print(dp_table(a.out))
+            print("\nadaptive clipping (Andrew et al. 2021):\n")
+            print(dp_table(a.out, "dp_adaptive"))
     if a.figures:
         figures(a.out, a.figures)
 

@@ -72,8 +72,8 @@ SMALL = {
 
 
 def _tiny(name: str, tmp_path: Path, *extra: str, small: bool = True) -> dict:
-    overrides = [f"experiment={name}", *_data_overrides(name, tmp_path), *(SMALL.get(name, []) if small else []),
-                 *extra]
+    small_overrides = SMALL.get(name, []) if small else []
+    overrides = [f"experiment={name}", *_data_overrides(name, tmp_path), *small_overrides, *extra]
     return run_tiny(tmp_path / "run", *overrides)
 
 
@@ -122,9 +122,9 @@ def test_fedavg_shards_give_two_classes_and_record_target(tmp_path):
     # 5 clients, 10 shards of the 200 stand-in images (20 per class): every shard holds one class
     from fedsim.run import run_experiment
 
-    cfg = compose_cfg("experiment=fedavg_mnist", f"dataset.root={_fake_idx(tmp_path / 'idx')}", "num_clients=5",
-                      "clients_per_round=2", "partitioner=shards", "client=fedsgd", "target_accuracy=0.01",
-                      "quiet=true")
+    root = _fake_idx(tmp_path / "idx")
+    cfg = compose_cfg("experiment=fedavg_mnist", f"dataset.root={root}", "num_clients=5", "clients_per_round=2",
+                      "partitioner=shards", "client=fedsgd", "target_accuracy=0.01", "quiet=true")
     summary = run_experiment(cfg, tmp_path / "run")
     parts = json.loads((tmp_path / "run" / "partitions.json").read_text())
     assert [sum(1 for c in counts if c) for counts in parts["label_counts"]] == [2] * 5
@@ -138,7 +138,7 @@ def _fates(tmp_path: Path, *extra: str, small: bool = True) -> list[dict]:
 
 def test_fedprox_stragglers_cannot_finish(tmp_path):
     # every task straggles: FedAvg (partial_work=false) drops them all, FedProx keeps their partial work
-    # (the experiment's E = 20 epochs: a straggler gets through 800 examples, fewer than any client's 20 epochs)
+    # (at the experiment's E = 20 a straggler gets through 800 examples, fewer than any client's 20 epochs)
     dropped = _fates(tmp_path / "a", "heterogeneity.straggler_prob=1.0", small=False)
     assert all(r.get("dropped_late") == 3 and r.get("skipped") for r in dropped)
     kept = _fates(tmp_path / "b", "heterogeneity.straggler_prob=1.0", "heterogeneity.partial_work=true",
