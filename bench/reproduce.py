@@ -40,6 +40,14 @@ SWEEPS = {
         ("fedprox_fedavg", "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9"),
         ("fedprox_prox", "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0,1 "
                          "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true"),
+        # a second data draw: seed 1 (FedProx mu=0 without stragglers is FedAvg, so it is left out)
+        ("fedprox_fedavg_seed1", "experiment=fedprox_synthetic strategy=fedavg "
+                                 "heterogeneity.straggler_prob=0,0.9 seed=1"),
+        ("fedprox_prox_seed1_mu1", "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=1 "
+                                   "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true "
+                                   "seed=1"),
+        ("fedprox_prox_seed1_mu0", "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0 "
+                                   "heterogeneity.straggler_prob=0.9 heterogeneity.partial_work=true seed=1"),
     ],
     "dp": [
         ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8"),
