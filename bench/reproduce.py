@@ -1,9 +1,9 @@
 """Run the paper reproductions of docs/reproductions.md and print their tables (and draw their figures).
 
-    python bench/reproduce.py --out /tmp/repro                 # run every sweep, then print the tables
-    python bench/reproduce.py --out /tmp/repro --only fedprox  # one reproduction
-    python bench/reproduce.py --out /tmp/repro --no-run        # tables from sweeps already in --out
-    python bench/reproduce.py --out /tmp/repro --no-run --figures docs/figures
+    python bench/reproduce.py --out repro_runs                 # run every sweep, then print the tables
+    python bench/reproduce.py --out repro_runs --only fedprox  # one reproduction
+    python bench/reproduce.py --out repro_runs --no-run        # tables from sweeps already in --out
+    python bench/reproduce.py --out repro_runs --no-run --figures docs/figures
 
 Each sweep is one ``fedsim -m ...`` command (listed in SWEEPS and in each experiment's YAML header) whose
 runs land in ``OUT/<sweep>/<job>/``; the tables are read back from each run's summary.json and metrics.jsonl.
