@@ -114,11 +114,12 @@ def train_local(
             idx = order[start : start + bs]
             loss = F.cross_entropy(model(x[idx]), y[idx])
             total += float(loss.detach())
-            if anchor is not None:
-                prox = sum(((p - a) ** 2).sum() for p, a in zip(params, anchor))
-                loss = loss + 0.5 * proximal_mu * prox
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if anchor is not None:  # gradient of FedProx's mu/2 ||w - w_start||^2, added in place (no graph)
+                with torch.no_grad():
+                    for p, a in zip(params, anchor):
+                        p.grad.add_(p - a, alpha=proximal_mu)
             opt.step()
             done += 1
             seen += idx.numel()
