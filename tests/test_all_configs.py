@@ -57,11 +57,7 @@ def test_config_option_composes_and_runs(group, option, tmp_path):
     cfg = compose_cfg(*overrides)
     if group == "experiment":  # a `@package _global_` bundle: it must change something
         assert cfg != compose_cfg(*extra)
-        target = str(cfg.dataset.get("_target_", ""))
-        for name in ("fashion_mnist", "mnist", "cifar10"):  # stand-in files: the real ones may be absent
-            if target.endswith(f"load_{name}"):
-                overrides += _fake_files("dataset", name, tmp_path / "data")
-                break
+        pytest.skip("composed; tests/test_experiments.py runs every experiment bundle on stand-in data")
     else:
         assert cfg[group] is not None
     if (group, option) in NEEDS:
