@@ -8,9 +8,15 @@ from collections.abc import Iterable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedsim import keys
+
+
+# Flower's error codes for a message or node that went away (ErrorCode.MESSAGE_UNAVAILABLE,
+# REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE): counted as kind "unavailable", not as a client error.
+UNAVAILABLE_CODES = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE)
 
 
 class SampledGrid(Grid):
@@ -90,7 +96,8 @@ def screen_replies(
 ) -> tuple[list[Message], list[tuple[str, str]]]:
     """Split train replies into valid ones and failures ``(kind, detail)``.
 
-    A reply fails if it is an error (kind ``error``, or ``timeout`` for a simulated one), lacks arrays or metrics
+    A reply fails if it is an error (kind ``error``; ``timeout`` for a simulated one; ``unavailable`` when
+    the SuperLink reports the node or message gone), lacks arrays or metrics
     (``malformed``), has arrays whose keys or shapes (``shape``) or dtypes (``dtype``) differ from ``reference``,
     or holds NaN/Inf in its arrays or train loss (``nonfinite``).
     """
@@ -99,7 +106,10 @@ def screen_replies(
     for rep in replies:
         if rep.has_error():
             reason = str(rep.error.reason)
-            kind = "timeout" if "SimulatedTimeout" in reason else "error"
+            if int(rep.error.code) in UNAVAILABLE_CODES:  # the SuperLink lost the node (no heartbeat)
+                kind = "unavailable"
+            else:
+                kind = "timeout" if "SimulatedTimeout" in reason else "error"
             failures.append((kind, first_line(reason)))
             continue
         c = rep.content

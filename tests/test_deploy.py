@@ -284,7 +284,8 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     assert [r["round"] for r in records] == [0, 1, 2, 3]
     assert [r["num_clients"] for r in records[1:]] == [3, 3, 2]
     assert [r["failures"] for r in records[1:]] == [0, 0, 1]
-    assert records[3]["failure_kinds"] == {"timeout": 1}
+    # no reply within round_timeout, or the SuperLink noticed the missing heartbeats first
+    assert records[3]["failure_kinds"] in ({"timeout": 1}, {"unavailable": 1})
     assert records[2]["eval_loss"] < records[0]["eval_loss"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["engine"] == "deployment" and summary["rounds_done"] == 3

@@ -63,3 +63,24 @@ def test_cohort_too_big_for_memory_is_refused_up_front(tmp_path, monkeypatch):
     assert "GiB needed" in str(err.value) and "1.0 GiB RAM free" in str(err.value)
     assert not (tmp_path / "metrics.jsonl").exists()
     run_tiny(tmp_path / "ok", "num_clients=20", "clients_per_round=2", "num_rounds=1")  # a small cohort fits
+
+
+def test_error_replies_are_classified_by_flower_error_code():
+    import numpy as np
+    from flwr.app import ArrayRecord, Error, Message, MessageType, RecordDict
+    from flwr.common.constant import ErrorCode
+    from strategy_helpers import server_identity
+
+    from fedsim.grid_utils import screen_replies
+
+    with server_identity():
+        def reply(code, reason):
+            msg = Message(RecordDict(), 1, MessageType.TRAIN)
+            msg.metadata.__dict__["_message_id"] = f"m{code}"
+            return Message(Error(code=code, reason=reason), reply_to=msg)
+
+        replies = [reply(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"),
+                   reply(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "<class 'RuntimeError'>:<'boom'>"),
+                   reply(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "<class 'fedsim.faults.SimulatedTimeout'>:<'late'>")]
+        valid, failures = screen_replies(replies, ArrayRecord([np.zeros(2, np.float32)]))
+    assert valid == [] and [k for k, _ in failures] == ["unavailable", "error", "timeout"]
