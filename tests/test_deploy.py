@@ -292,3 +292,14 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
 
     train = _check_replies(fed, out, overrides)
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
+
+
+def test_local_submits_the_fedsim_checkout_wherever_it_is_started(tmp_path, monkeypatch):
+    from fedsim.deploy.__main__ import app_folder
+    from fedsim.deploy.launch import DeployError
+
+    monkeypatch.chdir(tmp_path)
+    checkout = app_folder(None)
+    assert (checkout / "pyproject.toml").is_file() and (checkout / "fedsim" / "server_app.py").is_file()
+    with pytest.raises(DeployError, match="not a Flower App folder"):
+        app_folder(tmp_path)

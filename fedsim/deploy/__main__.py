@@ -34,6 +34,22 @@ from fedsim.deploy.launch import (
 DEFAULT_WORKDIR = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedsim" / "deploy")
 
 
+
+def app_folder(given: Path | None) -> Path:
+    """The Flower App folder to submit: ``given``, else fedsim's own checkout, else the working directory.
+
+    It must hold a ``pyproject.toml`` with ``[tool.flwr.app]`` (fedsim's does); a plain ``pip install`` of
+    fedsim has no such folder, so deployment runs from a checkout.
+    """
+    candidates = [given] if given is not None else [Path(__file__).resolve().parents[2], Path.cwd()]
+    for folder in candidates:
+        toml = folder / "pyproject.toml"
+        if toml.is_file() and "[tool.flwr.app]" in toml.read_text(encoding="utf-8", errors="replace"):
+            return folder.resolve()
+    where = given if given is not None else Path.cwd()
+    raise DeployError(f"{where} is not a Flower App folder (no pyproject.toml with [tool.flwr.app]); "
+                      "run from the fedsim checkout or pass --app DIR")
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fedsim.deploy", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--overrides", default="", help="Hydra overrides, as on the fedsim command line")
     loc.add_argument("--out-dir", help="run folder (default outputs/deploy-<timestamp> in this directory)")
     loc.add_argument("--data-dir", help="per-node data folder; {i} becomes the partition id, e.g. data/node{i}")
-    loc.add_argument("--app", type=Path, default=Path("."), help="the Flower App folder (default .)")
+    loc.add_argument("--app", type=Path, default=None,
+                     help="the Flower App folder (default: the fedsim checkout this package runs from, else .)")
     loc.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
     loc.add_argument("--workdir", type=Path, default=Path(DEFAULT_WORKDIR),
                      help=f"logs, pid file and private FLWR_HOME (default {DEFAULT_WORKDIR})")
@@ -90,6 +107,7 @@ def run_local(args: argparse.Namespace) -> int:
 
     if args.nodes < 1:
         raise DeployError(f"--nodes={args.nodes} is not allowed: expected an integer >= 1")
+    app = app_folder(args.app)  # before any process starts
     workdir = args.workdir.resolve()
     certs = args.certs
     if args.tls and certs is None:
@@ -111,7 +129,7 @@ def run_local(args: argparse.Namespace) -> int:
             data_dir = args.data_dir.format(i=i) if args.data_dir else None
             fed.start_supernode(i, args.nodes, data_dir=str(Path(data_dir).resolve()) if data_dir else None)
         print(f"# {args.nodes} SuperNodes online after {fed.wait_nodes_online(args.nodes):.1f} s")
-        run_id = fed.submit(args.app.resolve(), {"overrides": overrides, "out-dir": str(out_dir.resolve())})
+        run_id = fed.submit(app, {"overrides": overrides, "out-dir": str(out_dir.resolve())})
         status = fed.wait_run(run_id, args.timeout, stream=True)
         print(f"# run {run_id}: {status['status']} {status.get('status-details') or ''} "
               f"after {time.monotonic() - t0:.0f} s; run folder {out_dir.resolve()}")
