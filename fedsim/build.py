@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,13 +29,37 @@ from fedsim.training import LocalTraining
 CLIENT_SPEC_KEYS = ("seed", "num_clients", "val_fraction", "dataset", "partitioner", "model", "client", "faults")
 
 
+def _parameters(target: str) -> list[str]:
+    """The keyword parameters a ``_target_`` accepts (empty when it cannot be inspected)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        sig = inspect.signature(get_object(target))
+    except Exception:  # noqa: BLE001  (only for the error message)
+        return []
+    return [n for n, p in sig.parameters.items()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("self", "strategy")]
+
+
 def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
-    """``instantiate`` that turns a ConfigError raised inside a target into one naming the config key."""
+    """``instantiate`` that turns a ConfigError raised inside a target into one naming the config key.
+
+    A key the target does not take (``TypeError: ... unexpected keyword argument 'k'``) becomes a ConfigError on
+    ``section.k`` listing the parameters it does take.
+    """
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:
         cause = e.__cause__
         while cause is not None and not isinstance(cause, ConfigError):
+            if isinstance(cause, TypeError) and (m := re.search(r"unexpected keyword argument '(\w+)'", str(cause))):
+                target = str(node.get("_target_", "")) if hasattr(node, "get") else ""
+                params = [p for p in _parameters(target) if p not in kwargs]
+                raise ConfigError(f"{section}.{m.group(1)}", node.get(m.group(1)) if hasattr(node, "get") else None,
+                                  f"a parameter of {target.rsplit('.', 1)[-1] or section}: {', '.join(params)}"
+                                  if params else f"a parameter of {section}") from None
             cause = cause.__cause__
         if isinstance(cause, ConfigError):
             raise cause.with_prefix(section) from None

@@ -37,7 +37,8 @@ def async_knobs(concurrency: Any, max_staleness: Any, flower_kwargs: Mapping[str
     """Validate what every async strategy has: ``concurrency >= 1``, ``max_staleness`` None or ``>= 0``."""
     unknown = sorted(set(flower_kwargs) - set(FLOWER_KWARGS))
     if unknown:
-        raise ConfigError(unknown[0], flower_kwargs[unknown[0]], "no such parameter of an asynchronous strategy")
+        raise ConfigError(unknown[0], flower_kwargs[unknown[0]],
+                          "a parameter of this asynchronous strategy (the keys in its conf/strategy YAML)")
     if concurrency is None:
         raise ConfigError("concurrency", None, "an integer >= 1",
                           "Set strategy.concurrency (it defaults to clients_per_round, which is null here).")

@@ -30,6 +30,9 @@ BAD = [
     (["partitioner.alpha=-1"], "partitioner.alpha=-1"),
     (["num_clients=5000"], "num_clients"),  # more clients than examples
     (["dataset=fashion_mnist", "dataset.root=/nonexistent/fmnist"], "dataset.root"),
+    (["+strategy.foo=1"], "strategy.foo=1"),  # a key the strategy does not take: its parameters are listed
+    (["+heterogeneity.sped=1"], "heterogeneity.sped=1"),
+    (["strategy=fedbuff", "+strategy.alpha=0.5"], "strategy.alpha=0.5"),
 ]
 
 
