@@ -35,6 +35,7 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.clock import Heterogeneity
+from fedsim.errors import RunError
 from fedsim.grid_utils import screen_replies
 from fedsim.server import LoopConfig, RunState, Workload, connect_sizes, record_initial
 
@@ -335,9 +336,12 @@ def run_async(
             if not run.handle(t, reply):
                 run.idle_tasks += 1
                 if run.idle_tasks >= MAX_IDLE_TASKS:
-                    raise RuntimeError(
-                        f"{MAX_IDLE_TASKS} tasks in a row gave no usable update (last failures: "
-                        f"{run.pending.failures[-3:]}); check the clients, faults and max_staleness"
+                    p = run.pending
+                    kinds = dict(Counter(k for k, _ in p.failures))
+                    raise RunError(
+                        f"{MAX_IDLE_TASKS} tasks in a row gave no usable update ({p.dropped_out} dropped out, "
+                        f"{p.dropped_late} past the deadline, {p.dropped_stale} staler than max_staleness, "
+                        f"failures {kinds}); check heterogeneity, faults, max_staleness and the clients"
                     )
                 continue
             run.idle_tasks = 0

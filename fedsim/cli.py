@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from fedsim.errors import ConfigError  # noqa: E402
+from fedsim.errors import ConfigError, RunError  # noqa: E402
 
 EXIT_CONFIG = 2
 
@@ -49,6 +49,11 @@ def _task(cfg: DictConfig) -> dict | None:
         if not multirun:
             sys.exit(EXIT_CONFIG)
         _record_failure(Path(hc.runtime.output_dir), f"config error: {e}")
+    except RunError as e:
+        print(f"fedsim: run failed: {e}", file=sys.stderr, flush=True)
+        if not multirun:
+            sys.exit(1)
+        _record_failure(Path(hc.runtime.output_dir), f"run failed: {e}")
     except Exception as e:
         if not multirun:
             raise

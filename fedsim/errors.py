@@ -42,3 +42,10 @@ class DataNotFoundError(ConfigError):
 
 class StopRun(Exception):
     """Raised by a strategy (e.g. an exhausted privacy budget) to end the run cleanly, keeping outputs."""
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (no client ever answers, a client stack that cannot start, ...).
+
+    The command line prints its message as one line and exits 1; the run folder keeps what was done.
+    """

@@ -12,6 +12,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedsim import keys
+from fedsim.errors import RunError
 
 
 # Flower's error codes for a message or node that went away (ErrorCode.MESSAGE_UNAVAILABLE,
@@ -54,11 +55,11 @@ class SampledGrid(Grid):
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
-    """Wait until ``expected`` nodes are connected; raise ``TimeoutError`` after ``timeout`` seconds."""
+    """Wait until ``expected`` nodes are connected; raise ``RunError`` after ``timeout`` seconds."""
     end = time.monotonic() + timeout
     while len(nodes := sorted(grid.get_node_ids())) < expected:
         if time.monotonic() > end:
-            raise TimeoutError(f"only {len(nodes)} of {expected} clients connected within {timeout:.0f} s")
+            raise RunError(f"only {len(nodes)} of {expected} clients connected within {timeout:.0f} s")
         time.sleep(0.05)
     return nodes
 
@@ -72,12 +73,12 @@ def discover(grid: Grid, node_ids: list[int], spec: str, timeout: float) -> dict
     found: dict[int, tuple[int, int]] = {}
     for rep in grid.send_and_receive(msgs, timeout=timeout):
         if rep.has_error():
-            raise RuntimeError(
+            raise RunError(
                 f"client on node {rep.metadata.src_node_id} failed to start: {first_line(str(rep.error.reason))}")
         m = rep.content[keys.METRICS]
         pid = int(m[keys.PARTITION_ID])
         if pid in found:
-            raise RuntimeError(f"two nodes claim partition-id={pid}; give each SuperNode its own partition")
+            raise RunError(f"two nodes claim partition-id={pid}; give each SuperNode its own partition")
         found[pid] = (rep.metadata.src_node_id, int(m[keys.NUM_EXAMPLES]))
     return found
 

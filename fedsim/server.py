@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from fedsim import keys
 from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
-from fedsim.errors import ConfigError, StopRun
+from fedsim.errors import ConfigError, RunError, StopRun
 from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
 from fedsim.training import examples_processed, steps_within
 
@@ -68,12 +68,12 @@ def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, in
         train, _ = build_partitions(json.loads(spec))
         found = {partition_of(n): (n, len(train[partition_of(n)])) for n in nodes}
         if any(found.get(pid) != got for pid, got in first.items()):
-            raise RuntimeError(f"node {nodes[0]} reports partition {first} but the grid maps it differently")
+            raise RunError(f"node {nodes[0]} reports partition {first} but the grid maps it differently")
     else:
         found = discover(grid, nodes, spec, loop.node_timeout)
     missing = sorted(set(range(loop.num_clients)) - set(found))
     if missing:
-        raise RuntimeError(f"no node answered for partition ids {missing[:10]}")
+        raise RunError(f"no node answered for partition ids {missing[:10]}")
     return {pid: nid for pid, (nid, _) in found.items()}, {pid: n for pid, (_, n) in found.items()}
 
 

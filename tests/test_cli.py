@@ -1,6 +1,7 @@
 """The ``fedsim`` command as a user runs it: bad input gives one line and exit 2; sweeps get a summary."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -79,3 +80,13 @@ def test_cli_multirun_writes_sweep_summary_and_survives_a_failing_job(tmp_path):
         else:
             assert r["status"] == "completed" and float(r["final_eval_accuracy"]) > 0
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
+
+
+def test_cli_run_that_cannot_go_on_prints_one_line_and_keeps_its_outputs(tmp_path):
+    res = fedsim("strategy=fedasync", "heterogeneity=lognormal", "heterogeneity.dropout_prob=1.0", "num_rounds=2",
+                 "quiet=true", "hydra.run.dir=run", cwd=tmp_path)
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    failed = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: run failed:")]
+    assert len(failed) == 1 and "dropped out" in failed[0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and (tmp_path / "run" / "metrics.jsonl").exists()
