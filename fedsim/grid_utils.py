@@ -20,16 +20,11 @@ from fedsim.errors import RunError
 UNAVAILABLE_CODES = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE)
 
 
-class SampledGrid(Grid):
-    """A view of ``grid`` whose ``get_node_ids`` returns only the sampled cohort.
+class GridView(Grid):
+    """A ``Grid`` that forwards every call to ``grid``; subclasses change what they need."""
 
-    fedsim samples clients itself (seeded, by partition id) and hands Flower strategies this view, so any
-    ``flwr.serverapp.strategy`` class sends to exactly the sampled nodes.
-    """
-
-    def __init__(self, grid: Grid, node_ids: Iterable[int]) -> None:
+    def __init__(self, grid: Grid) -> None:
         self._grid = grid
-        self._nodes = list(node_ids)
 
     def set_run(self, run):  # noqa: D102
         self._grid.set_run(run)
@@ -42,7 +37,7 @@ class SampledGrid(Grid):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
     def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return list(self._nodes)
+        return self._grid.get_node_ids()
 
     def push_messages(self, messages):  # noqa: D102
         return self._grid.push_messages(messages)
@@ -52,6 +47,21 @@ class SampledGrid(Grid):
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
         return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+class SampledGrid(GridView):
+    """A view of ``grid`` whose ``get_node_ids`` returns only the sampled cohort.
+
+    fedsim samples clients itself (seeded, by partition id) and hands Flower strategies this view, so any
+    ``flwr.serverapp.strategy`` class sends to exactly the sampled nodes.
+    """
+
+    def __init__(self, grid: Grid, node_ids: Iterable[int]) -> None:
+        super().__init__(grid)
+        self._nodes = list(node_ids)
+
+    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+        return list(self._nodes)
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, open_dict
 
 from fedsim import keys
 from fedsim.errors import ConfigError
+from fedsim.grid_utils import GridView
 
 OVERRIDES = "overrides"  # run_config key: Hydra overrides, one string
 OUT_DIR = "out-dir"  # run_config key: the run folder ("" = outputs/deploy-<timestamp>)
@@ -108,11 +109,11 @@ def compose_config(overrides: list[str]) -> tuple[DictConfig, dict]:
     return cfg, choices
 
 
-class ReplyLog(Grid):
+class ReplyLog(GridView):
     """The SuperLink's Grid, forwarding every call, that writes one ``replies.jsonl`` line per reply."""
 
     def __init__(self, grid: Grid, path: Path) -> None:
-        self._grid = grid
+        super().__init__(grid)
         self._path = path
         self._file = None  # opened at the first reply, so a run that fails its config leaves no file
         self._t0 = time.monotonic()
@@ -141,22 +142,6 @@ class ReplyLog(Grid):
         """Close replies.jsonl."""
         if self._file is not None:
             self._file.close()
-
-    def set_run(self, run):  # noqa: D102
-        self._grid.set_run(run)
-
-    @property
-    def run(self):  # noqa: D102
-        return self._grid.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: D102
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
-        return self._grid.get_node_ids()
-
-    def push_messages(self, messages):  # noqa: D102
-        return self._grid.push_messages(messages)
 
     def pull_messages(self, message_ids):  # noqa: D102
         return self._record(self._grid.pull_messages(message_ids))
