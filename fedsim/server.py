@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim import keys
@@ -211,12 +211,17 @@ def run_sync(
 
 
 def _limit_partial(messages: list[Message], plans: dict[int, Plan], pid_of: dict[int, int]) -> None:
-    """Tell each client that must stop at the deadline how many local steps it has (its own config copy)."""
+    """Tell each client that must stop at the deadline how many local steps it has.
+
+    Flower's strategies give every message of a round the same RecordDict, so such a client gets its own
+    RecordDict (same arrays object, its own ConfigRecord) instead of an edit that all clients would see.
+    """
     for msg in messages:
         plan = plans.get(pid_of.get(msg.metadata.dst_node_id, -1))
         if plan is not None and plan.max_steps is not None:
-            cfg = msg.content[keys.CONFIG]
-            msg.content[keys.CONFIG] = ConfigRecord({**dict(cfg.items()), keys.MAX_STEPS: plan.max_steps})
+            old = msg.content
+            cfg = ConfigRecord({**dict(old[keys.CONFIG].items()), keys.MAX_STEPS: plan.max_steps})
+            msg.content = RecordDict({**{k: v for k, v in old.items() if k != keys.CONFIG}, keys.CONFIG: cfg})
 
 
 def _metric_fields(metrics: MetricRecord | None) -> dict:

@@ -108,3 +108,31 @@ def test_sync_dropouts_are_counted_and_the_run_goes_on(tmp_path):
 def test_bad_heterogeneity_values_name_the_key(kw, key):
     with pytest.raises(ConfigError, match=key):
         Heterogeneity(5, seed=0, **kw)
+
+
+def test_partial_work_limit_reaches_only_the_late_client():
+    # Flower's strategies send one shared RecordDict to every node of a round
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+    from strategy_helpers import server_identity
+
+    from fedsim import keys
+    from fedsim.server import _limit_partial
+
+    shared = RecordDict({keys.ARRAYS: ArrayRecord([np.zeros(2, np.float32)]), keys.CONFIG: ConfigRecord({"a": 1})})
+    with server_identity():
+        msgs = [Message(shared, node, MessageType.TRAIN) for node in (1, 2, 3)]
+    plans = {0: Plan(0, "train", 1.0), 1: Plan(1, "partial", 1.0, max_steps=4), 2: Plan(2, "train", 1.0)}
+    _limit_partial(msgs, plans, {1: 0, 2: 1, 3: 2})
+    assert [keys.MAX_STEPS in m.content[keys.CONFIG] for m in msgs] == [False, True, False]
+    assert msgs[1].content[keys.CONFIG][keys.MAX_STEPS] == 4 and msgs[1].content[keys.CONFIG]["a"] == 1
+    assert msgs[1].content[keys.ARRAYS] is shared[keys.ARRAYS]  # the weights are not copied
+
+
+def test_partial_work_gives_the_same_result_on_the_vectorized_engine(tmp_path):
+    over = ["num_rounds=3", "heterogeneity=lognormal", "heterogeneity.deadline=0.25", "heterogeneity.partial_work=true"]
+    run_tiny(tmp_path / "seq", *over)
+    run_tiny(tmp_path / "vec", *over, "engine=vectorized")
+    a, b = read_metrics(tmp_path / "seq")[1:], read_metrics(tmp_path / "vec")[1:]
+    assert sum(r.get("partial_work", 0) for r in a) > 0
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["eval_loss"] == pytest.approx(rb["eval_loss"], rel=1e-5)
