@@ -27,7 +27,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -37,7 +37,7 @@ from fedsim import keys
 from fedsim.clock import Heterogeneity
 from fedsim.errors import RunError
 from fedsim.grid_utils import screen_replies
-from fedsim.server import LoopConfig, RunState, Workload, connect_sizes, record_initial
+from fedsim.server import LoopConfig, RunState, Workload, connect_sizes, failure_fields, record_initial
 
 log = logging.getLogger("fedsim")
 
@@ -62,16 +62,12 @@ class Task:
 class Pending:
     """Statistics of the updates since the last published version."""
 
-    staleness: list
-    losses: list
+    staleness: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
     dropped_stale: int = 0
     dropped_out: int = 0
     dropped_late: int = 0
-    failures: list | None = None
-
-    @classmethod
-    def empty(cls) -> Pending:
-        return cls([], [], 0, 0, 0, [])
+    failures: list = field(default_factory=list)
 
 
 def choose_client(seed: int, task: int, num_clients: int, busy: set[int]) -> int:
@@ -120,7 +116,7 @@ class AsyncLoop:
         self.inflight: list[tuple[float, int, Task]] = []  # heap by (finish, task)
         self.models: dict[int, ArrayRecord] = {}  # start model of every version a task in flight holds
         self.next_task = 0
-        self.pending = Pending.empty()
+        self.pending = Pending()
         self.totals: Counter = Counter()
         self.t0 = time.monotonic() - (state.sim_time if wall_clock else 0.0)
         self.idle_tasks = 0
@@ -260,12 +256,8 @@ class AsyncLoop:
         rec: dict = {"round": self.state.round, "sim_time": self.state.sim_time, "num_clients": len(p.staleness),
                      "train_loss": float(np.mean(p.losses)) if p.losses else None,
                      "staleness_mean": float(np.mean(p.staleness)), "staleness_max": int(max(p.staleness)),
-                     "dropped_stale": p.dropped_stale, "failures": len(p.failures)}
-        if p.failures:
-            kinds = Counter(k for k, _ in p.failures)
-            rec["failure_kinds"] = dict(kinds)
-            for kind, detail in {k: d for k, d in p.failures}.items():
-                log.warning("version %d: %d task(s) failed (%s): %s", self.state.round, kinds[kind], kind, detail)
+                     "dropped_stale": p.dropped_stale,
+                     **failure_fields(p.failures, f"version {self.state.round}", "task")}
         if p.dropped_out:
             rec["dropped_out"] = p.dropped_out
         if p.dropped_late:
@@ -274,7 +266,7 @@ class AsyncLoop:
                             "failures": len(p.failures), "dropped_out": p.dropped_out, "dropped_late": p.dropped_late})
         rec["updates_total"] = self.totals["updates"]
         rec["round_time"] = time.perf_counter() - wall_start
-        self.pending = Pending.empty()
+        self.pending = Pending()
         return rec
 
     # ------------------------------------------------------------------ checkpoints
@@ -320,9 +312,6 @@ def run_async(
     """
     if wall_clock is None:
         wall_clock = bool(getattr(strategy, "wall_clock", False))
-    check = getattr(strategy, "check_population", None)
-    if check is not None:
-        check(loop.num_clients)
     run = AsyncLoop(grid, loop, strategy, state, spec, clock, wall_clock)
     if state.round == 0 and "async" not in state.extra:
         record_initial(state, evaluate_fn, on_round)
@@ -355,16 +344,4 @@ def run_async(
     finally:
         state.extra["async"] = run.snapshot()
         state.extra["async_totals"] = dict(run.totals)
-        _discard(grid, run)
     return state
-
-
-def _discard(grid: Grid, run: AsyncLoop) -> None:
-    """Collect (and drop) the replies of tasks still in flight, so no engine keeps them queued."""
-    ids = [t.msg_id for _, _, t in run.inflight if t.msg_id is not None]
-    if not ids:
-        return
-    try:
-        list(grid.pull_messages(ids)) if run.wall_clock else None
-    except Exception:  # noqa: BLE001  (best effort at the end of a run)
-        pass

@@ -16,6 +16,7 @@ from flwr.clientapp import ClientApp
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.faults import SimulatedTimeout
+from fedsim.node_data import node_partition, node_task
 from fedsim.training import evaluate, train_local
 
 app = ClientApp()
@@ -23,8 +24,6 @@ app = ClientApp()
 
 def _task(msg: Message, context: Context) -> ClientTask:
     """This node's task: its partition of the run's data set, or its own folder when ``data-dir`` is set."""
-    from fedsim.node_data import node_partition, node_task  # here, so this edit stays inside _task
-
     spec = str(msg.content[keys.CONFIG][keys.RUN_SPEC])
     partition_id = node_partition(context.node_config, spec)
     data_dir = context.node_config.get(keys.NODE_DATA_DIR)

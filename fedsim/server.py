@@ -77,11 +77,6 @@ def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, in
     return {pid: nid for pid, (nid, _) in found.items()}, {pid: n for pid, (_, n) in found.items()}
 
 
-def connect(grid: Grid, loop: LoopConfig, spec: str) -> dict[int, int]:
-    """Wait for ``loop.num_clients`` nodes and map each partition id to its node id."""
-    return connect_sizes(grid, loop, spec)[0]
-
-
 class Workload:
     """What a task of each client costs, known before it is sent: examples processed in local training."""
 
@@ -170,12 +165,7 @@ def run_sync(
         valid, failures = screen_replies(replies, state.arrays)
         failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
         valid.sort(key=_pid)
-        record: dict = {"round": rnd, "num_clients": len(valid), "failures": len(failures)}
-        if failures:
-            kinds = Counter(k for k, _ in failures)
-            record["failure_kinds"] = dict(kinds)
-            for kind, detail in {k: d for k, d in failures}.items():
-                log.warning("round %d: %d client(s) failed (%s): %s", rnd, kinds[kind], kind, detail)
+        record: dict = {"round": rnd, "num_clients": len(valid), **failure_fields(failures, f"round {rnd}", "client")}
         fates = Counter(p.fate for p in plans.values())
         for fate, field_name in (("dropout", "dropped_out"), ("late", "dropped_late"), ("partial", "partial_work")):
             if fates[fate]:
@@ -208,6 +198,17 @@ def run_sync(
         record["round_time"] = time.perf_counter() - t0
         on_round(record, state)
     return state
+
+
+def failure_fields(failures: list[tuple[str, str]], where: str, unit: str) -> dict:
+    """``failures`` and ``failure_kinds`` for metrics.jsonl; logs one line per kind (``where: n unit(s) failed``)."""
+    fields: dict = {"failures": len(failures)}
+    if failures:
+        kinds = Counter(k for k, _ in failures)
+        fields["failure_kinds"] = dict(kinds)
+        for kind, detail in dict(failures).items():  # the last detail of each kind
+            log.warning("%s: %d %s(s) failed (%s): %s", where, kinds[kind], unit, kind, detail)
+    return fields
 
 
 def _limit_partial(messages: list[Message], plans: dict[int, Plan], pid_of: dict[int, int]) -> None:

@@ -44,12 +44,15 @@ def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; allowed: {OPTIMIZERS}")
 
 
-def num_local_steps(n: int, cfg: LocalTraining) -> int:
-    """Number of optimiser steps a client with ``n`` examples takes."""
-    if cfg.local_steps > 0:
-        return cfg.local_steps
-    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
-    return cfg.local_epochs * -(-n // bs)
+def batch_size_for(n: int, cfg: LocalTraining) -> int:
+    """The batch size a client with ``n`` examples uses (``batch_size = 0``: full batch)."""
+    return n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
+
+
+def num_local_steps(n: int, cfg: LocalTraining, max_steps: int | None = None) -> int:
+    """Number of optimiser steps a client with ``n`` examples takes (at most ``max_steps`` when given)."""
+    steps = cfg.local_steps if cfg.local_steps > 0 else cfg.local_epochs * -(-n // batch_size_for(n, cfg))
+    return steps if max_steps is None else min(steps, max(0, int(max_steps)))
 
 
 def examples_processed(n: int, cfg: LocalTraining, max_steps: int | None = None) -> int:
@@ -59,10 +62,8 @@ def examples_processed(n: int, cfg: LocalTraining, max_steps: int | None = None)
     """
     if n <= 0:
         return 0
-    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
-    steps = num_local_steps(n, cfg)
-    if max_steps is not None:
-        steps = min(steps, max_steps)
+    bs = batch_size_for(n, cfg)
+    steps = num_local_steps(n, cfg, max_steps)
     per_pass = -(-n // bs)
     return (steps // per_pass) * n + (steps % per_pass) * bs
 
@@ -96,10 +97,8 @@ def train_local(
     stop at a deadline and send the work it finished).
     """
     n = x.shape[0]
-    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
-    steps = num_local_steps(n, cfg)
-    if max_steps is not None:
-        steps = min(steps, max(0, int(max_steps)))
+    bs = batch_size_for(n, cfg)
+    steps = num_local_steps(n, cfg, max_steps)
     params = [p for p in model.parameters() if p.requires_grad]
     anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
     opt = make_optimizer(params, cfg)

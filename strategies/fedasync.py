@@ -47,14 +47,30 @@ def async_knobs(concurrency: Any, max_staleness: Any, flower_kwargs: Mapping[str
     return c, s
 
 
-def check_population(concurrency: int, num_clients: int) -> None:
-    """``ConfigError`` on ``concurrency`` when more clients should be busy than the population holds."""
-    if concurrency > num_clients:
-        raise ConfigError("concurrency", concurrency, f"an integer in [1, num_clients={num_clients}]",
-                          "At most one task is in flight per client.")
+class AsyncStrategy:
+    """What every asynchronous strategy has: staleness weights, ``concurrency``, ``max_staleness``, ``wall_clock``.
+
+    Subclasses validate their own parameters, call ``super().__init__`` and implement ``on_update``,
+    ``state_dict`` and ``load_state_dict``.
+    """
+
+    is_async = True
+
+    def __init__(self, staleness: str, staleness_a: float, staleness_b: float, concurrency: int | None,
+                 max_staleness: int | None, wall_clock: bool, flower_kwargs: dict[str, Any]) -> None:
+        self.staleness = staleness
+        self.weight = staleness_fn(staleness, staleness_a, staleness_b)
+        self.concurrency, self.max_staleness = async_knobs(concurrency, max_staleness, flower_kwargs)
+        self.wall_clock = bool(wall_clock)
+
+    def check_population(self, num_clients: int) -> None:
+        """Raise ``ConfigError`` (key ``concurrency``) if more clients should be busy than the population holds."""
+        if self.concurrency > num_clients:
+            raise ConfigError("concurrency", self.concurrency, f"an integer in [1, num_clients={num_clients}]",
+                              "At most one task is in flight per client.")
 
 
-class FedAsync:
+class FedAsync(AsyncStrategy):
     """FedAsync: each client model is mixed into the global one as it arrives, down-weighted by staleness.
 
     On an update ``x_client`` trained from version ``tau`` and arriving at version ``t``::
@@ -88,8 +104,6 @@ class FedAsync:
         ``fraction_train`` and friends, passed to every strategy by fedsim's builder; ignored.
     """
 
-    is_async = True
-
     def __init__(
         self,
         alpha: float = 0.6,
@@ -104,15 +118,8 @@ class FedAsync:
     ) -> None:
         del default_num_rounds  # read by the config (the run's num_rounds default), not by the strategy
         self.alpha = number("alpha", alpha, 0.0, 1.0, lo_open=True)
-        self.staleness = staleness
-        self.weight = staleness_fn(staleness, staleness_a, staleness_b)
-        self.concurrency, self.max_staleness = async_knobs(concurrency, max_staleness, flower_kwargs)
-        self.wall_clock = bool(wall_clock)
+        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs)
         self.updates = 0  # updates mixed in so far
-
-    def check_population(self, num_clients: int) -> None:
-        """Raise ``ConfigError`` (key ``concurrency``) if ``concurrency > num_clients``."""
-        check_population(self.concurrency, num_clients)
 
     def mixing_weight(self, staleness: int) -> float:
         """``alpha_t = alpha * s(staleness)``."""

@@ -10,9 +10,8 @@ from flwr.app import ArrayRecord
 
 from strategies.aggregate import cast_like, is_float
 from strategies.checks import integer, number
-from strategies.fedasync import async_knobs, check_population
+from strategies.fedasync import AsyncStrategy
 from strategies.records import to_numpy, to_record
-from strategies.staleness import staleness_fn
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -30,7 +29,7 @@ def server_step(
     return {k: np.asarray(x[k], np.float64) + lr * v[k] for k in v}, v
 
 
-class FedBuff:
+class FedBuff(AsyncStrategy):
     """FedBuff: buffer ``K`` staleness-weighted client deltas, then take one server step.
 
     For each update trained from ``x_start`` (the version the client received) with staleness ``s``::
@@ -63,8 +62,6 @@ class FedBuff:
         ``fraction_train`` and friends, passed to every strategy by fedsim's builder; ignored.
     """
 
-    is_async = True
-
     def __init__(
         self,
         buffer_size: int = 10,
@@ -81,19 +78,12 @@ class FedBuff:
         self.buffer_size = integer("buffer_size", buffer_size, 1)
         self.server_lr = number("server_lr", server_lr, 0.0, lo_open=True)
         self.server_momentum = number("server_momentum", server_momentum, 0.0, 1.0, hi_open=True)
-        self.staleness = staleness
-        self.weight = staleness_fn(staleness, staleness_a, staleness_b)
-        self.concurrency, self.max_staleness = async_knobs(concurrency, max_staleness, flower_kwargs)
-        self.wall_clock = bool(wall_clock)
+        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs)
         self.buffer: dict[str, np.ndarray] | None = None  # sum of weighted deltas (float64)
         self.count = 0  # updates in the buffer
         self.others: dict[str, np.ndarray] = {}  # non-float arrays of the latest buffered update
         self.velocity: dict[str, np.ndarray] | None = None
         self.steps = 0  # server steps taken
-
-    def check_population(self, num_clients: int) -> None:
-        """Raise ``ConfigError`` (key ``concurrency``) if ``concurrency > num_clients``."""
-        check_population(self.concurrency, num_clients)
 
     def on_update(
         self, current: ArrayRecord, update: ArrayRecord, start: ArrayRecord, staleness: int, num_examples: int

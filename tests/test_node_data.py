@@ -134,10 +134,10 @@ def test_data_dir_must_match_the_model(tmp_path, spec):
 def test_bad_node_is_an_error_reply_the_server_reports(spec, node_config, match):
     """The ClientApp's error becomes an error reply; node discovery stops at once, its first line says why."""
     from fedsim.engines.pool import PoolGrid
-    from fedsim.server import LoopConfig, connect
+    from fedsim.server import LoopConfig, connect_sizes
 
     loop = LoopConfig(seed=0, num_clients=3, num_rounds=1, clients_per_round=3, node_timeout=30)
     with PoolGrid(3, node_config=node_config) as grid, pytest.raises(RuntimeError, match=match) as err:
-        connect(grid, loop, spec)
+        connect_sizes(grid, loop, spec)
     first = str(err.value).splitlines()[0]
     assert re.search(match, first) and "--node-config" in first  # the node's own words, not a traceback

@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.engines.pool import PoolGrid
-from fedsim.training import LocalTraining, num_local_steps
+from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 
 log = logging.getLogger("fedsim")
 
@@ -65,10 +65,10 @@ def train_generator(seed: int, rnd: int, partition_id: int) -> torch.Generator:
     )
 
 
-def schedule(n: int, cfg: LocalTraining, gen: torch.Generator) -> list[torch.Tensor]:
+def schedule(n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None) -> list[torch.Tensor]:
     """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them."""
-    bs = n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
-    steps = num_local_steps(n, cfg)
+    bs = batch_size_for(n, cfg)
+    steps = num_local_steps(n, cfg, max_steps)
     out: list[torch.Tensor] = []
     while len(out) < steps:
         order = torch.randperm(n, generator=gen)  # one pass over the data
@@ -189,13 +189,12 @@ class VectorizedGrid(PoolGrid):
         if {n: tuple(t.shape) for n, t in start.items()} != shapes:
             return None  # the ClientApp's strict load reports the mismatch
         rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
+        max_steps = int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None  # partial work before a deadline
         batches = schedule(
-            int(task.x_train.shape[0]), task.local, train_generator(task.seed, rnd, task.partition_id)
+            int(task.x_train.shape[0]), task.local, train_generator(task.seed, rnd, task.partition_id), max_steps
         )
-        if keys.MAX_STEPS in cfg:  # partial work before a deadline: the first max-steps batches
-            batches = batches[: max(0, int(cfg[keys.MAX_STEPS]))]
-            if not batches:
-                return None
+        if not batches:
+            return None
         return _Client(msg, task, start, batches)
 
     def _train(
