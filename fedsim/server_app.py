@@ -117,6 +117,12 @@ class ReplyLog(GridView):
         self._path = path
         self._file = None  # opened at the first reply, so a run that fails its config leaves no file
         self._t0 = time.monotonic()
+        self._dst: dict[str, int] = {}  # message id -> the node it was sent to
+
+    def _remember(self, messages: list[Message]) -> None:
+        for m in messages:
+            if m.metadata.message_id:
+                self._dst[m.metadata.message_id] = int(m.metadata.dst_node_id)
 
     def _record(self, replies: Iterable[Message]) -> list[Message]:
         replies = list(replies)
@@ -124,9 +130,10 @@ class ReplyLog(GridView):
             self._path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(self._path, "a", encoding="utf-8")
         for r in replies:
+            # the SuperLink answers itself for a node it gave up on: name the node the message was sent to
+            node = self._dst.pop(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))
             line: dict = {"time": round(time.monotonic() - self._t0, 3), "type": r.metadata.message_type,
-                          "node_id": int(r.metadata.src_node_id), "partition_id": None, "num_examples": None,
-                          "error": None}
+                          "node_id": node, "partition_id": None, "num_examples": None, "error": None}
             if r.has_error():
                 line["error"] = str(r.error.reason)[:300]
             elif r.has_content() and keys.METRICS in r.content:
@@ -143,11 +150,20 @@ class ReplyLog(GridView):
         if self._file is not None:
             self._file.close()
 
+    def push_messages(self, messages):  # noqa: D102
+        messages = list(messages)
+        ids = list(self._grid.push_messages(messages))
+        self._remember(messages)  # the grid sets each message's id as it pushes it
+        return ids
+
     def pull_messages(self, message_ids):  # noqa: D102
         return self._record(self._grid.pull_messages(message_ids))
 
     def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
-        return self._record(self._grid.send_and_receive(messages, timeout=timeout))
+        messages = list(messages)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        self._remember(messages)
+        return self._record(replies)
 
 
 def default_out_dir(now: float | None = None) -> Path:

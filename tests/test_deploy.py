@@ -56,6 +56,44 @@ def test_overrides_compose_the_same_config_as_the_command_line():
     assert "hydra" not in cfg
 
 
+def test_reply_log_names_the_node_a_superlink_error_reply_stands_for(tmp_path):
+    """The SuperLink answers for a node it gave up on with its own node id; replies.jsonl names the node."""
+    from flwr.app import Error, Message, Metadata, MetricRecord, RecordDict
+
+    from fedsim import keys
+    from fedsim.server_app import ReplyLog
+
+    def message(src: int, dst: int, reply_to: str = "", content=None, error=None) -> Message:
+        meta = Metadata(run_id=1, message_id="", src_node_id=src, dst_node_id=dst, reply_to_message_id=reply_to,
+                        group_id="1", message_type="train", created_at=time.time(), ttl=60)
+        return Message(metadata=meta, error=error) if error is not None else Message(metadata=meta, content=content)
+
+    class FakeGrid:
+        def __init__(self):
+            self.sent = []
+
+        def push_messages(self, messages):
+            for i, m in enumerate(messages):
+                m.metadata.__dict__["_message_id"] = f"m{len(self.sent) + i}"
+            self.sent += messages
+            return [m.metadata.message_id for m in messages]
+
+        def pull_messages(self, ids):
+            a, b = self.sent
+            ok = RecordDict({keys.METRICS: MetricRecord({keys.PARTITION_ID: 4, keys.NUM_EXAMPLES: 17})})
+            return [message(11, 0, a.metadata.message_id, content=ok),
+                    message(1, 1, b.metadata.message_id, error=Error(code=3, reason="node unavailable"))]
+
+    grid = FakeGrid()
+    log = ReplyLog(grid, tmp_path / "replies.jsonl")
+    ids = log.push_messages([message(0, 11, content=RecordDict()), message(0, 22, content=RecordDict())])
+    log.pull_messages(ids)
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "replies.jsonl").read_text().splitlines()]
+    assert [(x["node_id"], x["partition_id"], x["num_examples"]) for x in lines] == [(11, 4, 17), (22, None, None)]
+    assert lines[0]["error"] is None and lines[1]["error"] == "node unavailable"
+
+
 def test_out_dir_from_run_config(tmp_path):
     assert experiment_from({"overrides": "", "out-dir": str(tmp_path / "r")})[2] == tmp_path / "r"
     assert experiment_from({"overrides": ""})[2].name.startswith("deploy-")
@@ -235,10 +273,17 @@ def _expected_examples(overrides: list[str]) -> dict[int, int]:
     return {0: len(shares[0]), 1: len(shares[1]), 2: NODE2_TRAIN}
 
 
-def _check_replies(fed: Federation, out: Path, overrides: list[str]) -> list[dict]:
-    """Every reply came from the node whose registered key belongs to its partition, with that partition's data."""
+def _check_replies(fed: Federation, out: Path, overrides: list[str], lost_node: int | None = None) -> list[dict]:
+    """Every reply came from the node whose registered key belongs to its partition, with that partition's data.
+
+    Returns the train replies without errors. Only ``lost_node`` may have error replies (the SuperLink's own
+    reply for a node whose heartbeats stopped), at most one.
+    """
     train = _replies(out, "train")
-    assert train and not any(r["error"] for r in train)
+    errors = [r for r in train if r["error"]]
+    assert len(errors) <= (lost_node is not None) and all(r["node_id"] == lost_node for r in errors), errors
+    train = [r for r in train if not r["error"]]
+    assert train
     for r in _replies(out, "query") + train:
         assert r["node_id"] == fed.node_ids[r["partition_id"]]
     expected = _expected_examples(overrides)
@@ -290,7 +335,7 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["engine"] == "deployment" and summary["rounds_done"] == 3
 
-    train = _check_replies(fed, out, overrides)
+    train = _check_replies(fed, out, overrides, lost_node=fed.node_ids[2])
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
 
 
