@@ -95,10 +95,11 @@ class _Snapshot:
         return (dict, (self.run.snapshot(),))
 
 
-def train_message(arrays: ArrayRecord, spec: str, version: int, task: int, node_id: int) -> Message:
-    """A train instruction carrying the current model, its version and the task index."""
+def train_message(arrays: ArrayRecord, spec: str, version: int, task: int, node_id: int,
+                  extra: dict | None = None) -> Message:
+    """A train instruction carrying the current model, its version, the task index and the strategy's ``extra``."""
     config = ConfigRecord({keys.RUN_SPEC: spec, keys.MODEL_VERSION: version, keys.SERVER_ROUND: version,
-                           keys.TASK_ID: task})
+                           keys.TASK_ID: task, **(extra or {})})
     return Message(RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config}), node_id, MessageType.TRAIN)
 
 
@@ -140,6 +141,10 @@ class AsyncLoop:
             busy.add(pid)
             self.next_task += 1
 
+    def _train_config(self) -> dict:
+        """What the strategy adds to every train message's config (e.g. ``proximal-mu``)."""
+        return getattr(self.strategy, "train_config", dict)()
+
     def dispatch(self, pid: int, task: int, version: int, arrays: ArrayRecord, start: float) -> None:
         """Decide the task's fate on the clock, send it unless the client will not answer, track it."""
         examples = self.work.examples(pid)
@@ -154,7 +159,7 @@ class AsyncLoop:
         t = Task(pid, task, version, start, start + duration, fate)
         if fate == "train":
             self.models.setdefault(version, arrays)
-            msg = train_message(arrays, self.spec, version, task, self.node_of[pid])
+            msg = train_message(arrays, self.spec, version, task, self.node_of[pid], self._train_config())
             ids = list(self.grid.push_messages([msg]))
             if not ids:
                 raise RuntimeError(f"the grid refused a train message for partition {pid}")
@@ -290,7 +295,8 @@ class AsyncLoop:
             if t.fate == "train":
                 arrays = models[t.version]
                 self.models.setdefault(t.version, arrays)
-                msg = train_message(arrays, self.spec, t.version, t.task, self.node_of[t.pid])
+                msg = train_message(arrays, self.spec, t.version, t.task, self.node_of[t.pid],
+                                    self._train_config())
                 t.msg_id = list(self.grid.push_messages([msg]))[0]
             heapq.heappush(self.inflight, (t.finish, t.task, t))
 

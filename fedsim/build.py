@@ -77,10 +77,25 @@ def client_spec(cfg: DictConfig, device: str) -> str:
     return json.dumps(spec, sort_keys=True)
 
 
-def resolve_device(name: str) -> str:
-    """Map ``auto`` to ``cuda`` when a GPU is visible, else ``cpu``; pass others through."""
+def resolve_device(name: str, key: str = "placement.device") -> str:
+    """Map ``auto`` to ``cuda`` when a GPU is visible, else ``cpu``; check that a ``cuda[:N]`` device exists here.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``key`` when ``name`` asks for a CUDA device this machine does not have.
+    """
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        head, _, index = name.partition(":")
+        if head != "cuda" or not (index == "" or index.isdigit()):
+            raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) >= count:
+            have = f"{count} CUDA device(s)" if count else "no CUDA device (or a CPU-only torch build)"
+            raise ConfigError(key, name, f"a device this machine has: it has {have}",
+                              "Use placement=cpu, or placement.device=auto to take a GPU when there is one.")
     return name
 
 
@@ -201,8 +216,8 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
     if getattr(strategy, "check_cohort", None):
         try:
             strategy.check_cohort(clients_per_round)
-        except ConfigError as e:
-            raise e.with_prefix("strategy") from None
+        except ConfigError as e:  # a strategy knob, or the run's own clients_per_round
+            raise (e if e.key == "clients_per_round" else e.with_prefix("strategy")) from None
     if cfg.clipping.get("_target_"):
         strategy = _instantiate(
             "clipping", cfg.clipping, strategy=strategy, num_clients=int(cfg.num_clients),

@@ -42,6 +42,9 @@ def _task(cfg: DictConfig) -> dict | None:
     quiet_loggers()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     multirun = hc.mode == RunMode.MULTIRUN
+    if multirun:  # a sweep folder used again: no earlier job's result may stand for this one
+        for name in ("summary.json", "error.txt"):
+            (Path(hc.runtime.output_dir) / name).unlink(missing_ok=True)
     try:
         return run_experiment(cfg, hc.runtime.output_dir, choices)
     except ConfigError as e:
@@ -72,7 +75,7 @@ def _record_failure(out_dir: Path, message: str) -> None:
     FAILED_JOBS.append(str(out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "error.txt").write_text(message + "\n")
-    summary = out_dir / "summary.json"
+    summary = out_dir / "summary.json"  # this job's own (removed at its start), with the rounds it did
     data = json.loads(summary.read_text()) if summary.exists() else {}
     data.update(status="failed", error=message)
     summary.write_text(json.dumps(data, indent=2) + "\n")
@@ -104,6 +107,14 @@ def unknown_key(argv: list[str]) -> str | None:
     overrides = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~", "hydra.", "hydra/"))]
     conf = files("fedsim.conf")
     groups = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    for o in overrides:  # every option named for a group (each one of a sweep's a,b,c) must exist
+        group, _, value = o.partition("=")
+        if group not in groups or "(" in value or "$" in value:
+            continue  # Hydra's sweep functions (choice(...), range(...)) and interpolations: left to Hydra
+        options = sorted(f.name.rsplit(".", 1)[0] for f in (conf / group).iterdir() if f.name.endswith(".yaml"))
+        for v in value.split(","):
+            if v.strip() not in (*options, "null"):
+                return f"{group}={v.strip()!r} is not allowed: expected one of {', '.join(options)}"
     picks = [o.split(",")[0] for o in overrides if o.split("=", 1)[0] in groups]
     try:
         with initialize_config_module(config_module="fedsim.conf", version_base=None):

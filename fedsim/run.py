@@ -92,14 +92,16 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     strategy = build.build_strategy(cfg, m)
     clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
     model = build.build_initial_model(spec)
-    check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, build.resolve_device(str(cfg.placement.device)))
-    server_device = build.resolve_device(str(cfg.placement.server_device))
+    # deployed clients resolve placement.device on their own machines; only the server's device is checked here
+    client_device = "cpu" if grid is not None else build.resolve_device(str(cfg.placement.device))
+    check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, client_device)
+    server_device = build.resolve_device(str(cfg.placement.server_device), "placement.server_device")
     evaluate_fn = make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device)
     loop = LoopConfig(
         seed=int(cfg.seed), num_clients=int(cfg.num_clients), num_rounds=int(cfg.num_rounds), clients_per_round=m,
         min_replies=int(cfg.min_replies), round_timeout=float(cfg.round_timeout),
         node_timeout=float(cfg.get("node_timeout", 300)), eval_every=int(cfg.eval_every),
-        federated_eval=bool(cfg.federated_eval),
+        federated_eval=bool(cfg.federated_eval), fraction_evaluate=float(cfg.strategy.get("fraction_evaluate", 1.0)),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     write_partition_stats(out_dir, train, ds.y_train, ds.num_classes)

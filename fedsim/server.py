@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class LoopConfig:
     node_timeout: float = 300.0
     eval_every: int = 1
     federated_eval: bool = False
+    fraction_evaluate: float = 1.0  # share of the round's cohort asked to evaluate (federated_eval only)
 
 
 @dataclass
@@ -57,6 +59,15 @@ def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]
     """Partition ids of round ``rnd``'s cohort: a seeded draw without replacement, sorted."""
     rng = np.random.default_rng([seed, 1, rnd])
     return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
+
+
+def sample_evaluators(seed: int, rnd: int, cohort: list[int], fraction: float) -> list[int]:
+    """The part of round ``rnd``'s cohort asked to evaluate: ``ceil(fraction * len(cohort))`` of them, seeded."""
+    size = min(len(cohort), max(1, math.ceil(fraction * len(cohort) - 1e-9)))
+    if size == len(cohort):
+        return list(cohort)
+    rng = np.random.default_rng([seed, 2, rnd])
+    return sorted(int(p) for p in rng.choice(cohort, size=size, replace=False))
 
 
 def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, int], dict[int, int]]:
@@ -189,8 +200,10 @@ def run_sync(
             if arrays is not None:
                 state.arrays = arrays
             record.update(_metric_fields(metrics))
-        if loop.federated_eval and not record.get("skipped"):
-            record.update(_federated_eval(grid, strategy, rnd, state.arrays, spec, view, loop.round_timeout))
+        if loop.federated_eval and not record.get("skipped") and sent:
+            evaluators = SampledGrid(grid, [node_of[p] for p in sample_evaluators(loop.seed, rnd, sent,
+                                                                                 loop.fraction_evaluate)])
+            record.update(_federated_eval(grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout))
         state.round = rnd
         record["sim_time"] = state.sim_time
         if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
@@ -238,6 +251,8 @@ def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
     config = ConfigRecord({keys.RUN_SPEC: spec})
     msgs = list(strategy.configure_evaluate(rnd, arrays, config, view))
     replies = [r for r in grid.send_and_receive(msgs, timeout=timeout) if not r.has_error()]
+    # a client without validation examples has nothing to add (and a cohort of them would divide by zero)
+    replies = [r for r in replies if keys.METRICS in r.content and r.content[keys.METRICS].get(keys.NUM_EXAMPLES, 0) > 0]
     agg = strategy.aggregate_evaluate(rnd, replies) if replies else None
     if agg is None:
         return {}

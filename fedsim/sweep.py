@@ -14,10 +14,12 @@ COLUMNS = ("job", "overrides", "status", "final_eval_accuracy", "best_eval_accur
            "sim_time", "wall_time", "target_round", "target_sim_time", "error")
 
 
-def collect(sweep_dir: Path) -> list[dict]:
-    """One row per job folder under ``sweep_dir``: its overrides and the figures from its summary.json."""
+def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
+    """One row per job folder under ``sweep_dir`` (only the numbers in ``jobs`` when given): its overrides and
+    the figures from its summary.json."""
     rows = []
-    for job in sorted((p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)):
+    folders = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (jobs is None or int(p.name) in jobs)]
+    for job in sorted(folders, key=lambda p: int(p.name)):
         over_file = job / ".hydra" / "overrides.yaml"
         overrides = " ".join(OmegaConf.load(over_file)) if over_file.exists() else ""
         row: dict[str, Any] = {"job": int(job.name), "overrides": overrides}
@@ -35,9 +37,9 @@ def collect(sweep_dir: Path) -> list[dict]:
     return rows
 
 
-def write_summary(sweep_dir: Path) -> list[dict]:
-    """Write sweep_summary.csv and sweep.png for ``sweep_dir``; return the rows."""
-    rows = collect(sweep_dir)
+def write_summary(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
+    """Write sweep_summary.csv and sweep.png for ``sweep_dir`` (the ``jobs`` of one multirun); return the rows."""
+    rows = collect(sweep_dir, jobs)
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -57,7 +59,7 @@ def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
     for r in rows:
         path = sweep_dir / str(r["job"]) / "metrics.jsonl"
-        if not path.exists():
+        if r.get("status") == "failed" or not path.exists():
             continue
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         ev = [x for x in recs if x.get("eval_accuracy") is not None]
@@ -75,10 +77,26 @@ def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
 
 
 class SweepSummary(Callback):
-    """Writes the sweep summary when a multirun ends (failed jobs appear with their error)."""
+    """Writes the sweep summary when a multirun ends (failed jobs appear with their error).
+
+    Only this multirun's jobs are summarised, also when ``hydra.sweep.dir`` already holds an earlier sweep's
+    job folders. (A launcher that runs jobs in other processes does not report them here; then every job
+    folder is summarised.)
+    """
+
+    def __init__(self) -> None:
+        self.jobs: set[int] = set()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        self.jobs = set()
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+        num = OmegaConf.select(config, "hydra.job.num")
+        if num is not None:
+            self.jobs.add(int(num))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.exists():
-            rows = write_summary(sweep_dir)
+            rows = write_summary(sweep_dir, self.jobs or None)
             print(f"fedsim: sweep summary of {len(rows)} runs in {sweep_dir / 'sweep_summary.csv'}")

@@ -69,6 +69,8 @@ def validate(cfg: DictConfig) -> None:
     _int(cfg, "checkpoint_every", 0, what="an integer >= 0 (0: no periodic checkpoints)")
     if cfg.get("target_accuracy") is not None:
         _num(cfg, "target_accuracy", 0.0, 1.0, lo_open=True)
+    if cfg.get("federated_eval") and cfg.strategy.get("fraction_evaluate") is not None:
+        _num(cfg, "strategy.fraction_evaluate", 0.0, 1.0, lo_open=True)
     c = cfg.client
     if c.optimizer not in OPTIMIZERS:
         raise ConfigError("client.optimizer", c.optimizer, f"one of {', '.join(OPTIMIZERS)}")

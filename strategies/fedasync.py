@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
+from fedsim import keys
 from fedsim.errors import ConfigError
 from strategies.aggregate import cast_like, is_float
 from strategies.checks import integer, number
@@ -57,11 +58,17 @@ class AsyncStrategy:
     is_async = True
 
     def __init__(self, staleness: str, staleness_a: float, staleness_b: float, concurrency: int | None,
-                 max_staleness: int | None, wall_clock: bool, flower_kwargs: dict[str, Any]) -> None:
+                 max_staleness: int | None, wall_clock: bool, flower_kwargs: dict[str, Any],
+                 proximal_mu: float = 0.0) -> None:
         self.staleness = staleness
         self.weight = staleness_fn(staleness, staleness_a, staleness_b)
         self.concurrency, self.max_staleness = async_knobs(concurrency, max_staleness, flower_kwargs)
         self.wall_clock = bool(wall_clock)
+        self.proximal_mu = number("proximal_mu", proximal_mu, 0.0)
+
+    def train_config(self) -> dict[str, float]:
+        """Entries for every train message's config: ``proximal-mu`` when the client's proximal term is on."""
+        return {keys.PROXIMAL_MU: self.proximal_mu} if self.proximal_mu > 0 else {}
 
     def check_population(self, num_clients: int) -> None:
         """Raise ``ConfigError`` (key ``concurrency``) if more clients should be busy than the population holds."""
@@ -80,8 +87,8 @@ class FedAsync(AsyncStrategy):
 
     fedsim's asynchronous loop (``fedsim.async_server.run_async``) keeps ``concurrency`` clients busy, drops
     updates staler than ``max_staleness`` before they reach the strategy, and calls ``on_update`` for each
-    valid one. The client's proximal term (the paper's rho) is the client's business: ``client.proximal_mu``
-    is not sent by this strategy.
+    valid one. With ``proximal_mu = rho > 0`` each client minimises ``f(x) + rho/2 ||x - x_tau||^2`` (the
+    paper's regularised local problem, ``x_tau`` the model it started from), as FedProx's clients do.
 
     Parameters
     ----------
@@ -97,6 +104,8 @@ class FedAsync(AsyncStrategy):
         Updates staler than this are dropped (counted as ``dropped_stale``); None: keep all.
     wall_clock : bool
         True in deployment: real arrival order and wall-clock time instead of the simulated clock.
+    proximal_mu : float
+        The paper's rho >= 0, sent to the clients as ``proximal-mu``; 0 (default) is plain local SGD.
     default_num_rounds : int, optional
         Only for the config: the run's ``num_rounds`` defaults to it (one version per update needs more
         versions than a synchronous run has rounds).
@@ -113,12 +122,14 @@ class FedAsync(AsyncStrategy):
         concurrency: int | None = 10,
         max_staleness: int | None = None,
         wall_clock: bool = False,
+        proximal_mu: float = 0.0,
         default_num_rounds: int | None = None,
         **flower_kwargs: Any,
     ) -> None:
         del default_num_rounds  # read by the config (the run's num_rounds default), not by the strategy
         self.alpha = number("alpha", alpha, 0.0, 1.0, lo_open=True)
-        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs)
+        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs,
+                         proximal_mu)
         self.updates = 0  # updates mixed in so far
 
     def mixing_weight(self, staleness: int) -> float:

@@ -58,6 +58,8 @@ class FedBuff(AsyncStrategy):
         Updates staler than this are dropped by the loop (counted as ``dropped_stale``); None: keep all.
     wall_clock : bool
         True in deployment: real arrival order and wall-clock time instead of the simulated clock.
+    proximal_mu : float
+        Weight >= 0 of the clients' proximal term ``mu/2 ||w - w_start||^2`` (sent as ``proximal-mu``); 0: off.
     **flower_kwargs
         ``fraction_train`` and friends, passed to every strategy by fedsim's builder; ignored.
     """
@@ -73,12 +75,14 @@ class FedBuff(AsyncStrategy):
         concurrency: int | None = 10,
         max_staleness: int | None = None,
         wall_clock: bool = False,
+        proximal_mu: float = 0.0,
         **flower_kwargs: Any,
     ) -> None:
         self.buffer_size = integer("buffer_size", buffer_size, 1)
         self.server_lr = number("server_lr", server_lr, 0.0, lo_open=True)
         self.server_momentum = number("server_momentum", server_momentum, 0.0, 1.0, hi_open=True)
-        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs)
+        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs,
+                         proximal_mu)
         self.buffer: dict[str, np.ndarray] | None = None  # sum of weighted deltas (float64)
         self.count = 0  # updates in the buffer
         self.others: dict[str, np.ndarray] = {}  # non-float arrays of the latest buffered update

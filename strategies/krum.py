@@ -55,6 +55,13 @@ class Krum(FedAvg):
         number of valid replies.
         """
         f = self.num_malicious
+        if cohort_size < 3:  # no num_malicious helps: the cohort itself is too small
+            raise ConfigError(
+                "clients_per_round",
+                cohort_size,
+                f"an integer >= 2 * num_malicious + 3 = {2 * f + 3} for Krum",
+                "Krum scores each model by its distances to the others and needs at least 3 per round.",
+            )
         if cohort_size < 2 * f + 3:
             raise ConfigError(
                 "num_malicious",

@@ -71,6 +71,19 @@ def test_fedbuff_k1_and_fedasync_runs_coincide_when_nothing_is_stale(tmp_path):
         assert ra["sim_time"] == rb["sim_time"]
 
 
+def test_async_proximal_term_matches_fedprox_on_one_full_batch_client(tmp_path):
+    """FedAsync's rho: alpha=1 with one client (full batch, no shuffling) is FedProx with mu=rho, round for round."""
+    common = ["num_clients=1", "clients_per_round=1", "num_rounds=3", "client.batch_size=0", "client.local_steps=5"]
+    prox = _records(tmp_path, "prox", *common, "strategy=fedprox", "strategy.proximal_mu=0.5")
+    fasync = _records(tmp_path, "async", *common, "strategy=fedasync", "strategy.alpha=1.0",
+                      "strategy.staleness=constant", "strategy.proximal_mu=0.5")
+    plain = _records(tmp_path, "plain", *common, "strategy=fedasync", "strategy.alpha=1.0",
+                     "strategy.staleness=constant")
+    assert [r["eval_loss"] for r in fasync] == pytest.approx([r["eval_loss"] for r in prox], rel=1e-6)
+    assert [r["train_loss"] for r in fasync] == pytest.approx([r["train_loss"] for r in prox], rel=1e-6)
+    assert abs(plain[-1]["eval_loss"] - fasync[-1]["eval_loss"]) > 1e-3  # the term does change training
+
+
 def test_fedbuff_waits_for_k_updates_and_weights_them_by_staleness():
     def rec(v):
         return to_record({"w": np.asarray(v, np.float32)})
@@ -140,6 +153,7 @@ BAD = [
     (["heterogeneity.speed=list", "+heterogeneity.speeds=[1.0,-2.0]"], "heterogeneity.speeds"),
     (["heterogeneity=lognormal", "heterogeneity.dropout_prob=1.5"], "heterogeneity.dropout_prob=1.5"),
     (["strategy=fedasync", "clipping=fixed"], "clipping="),
+    (["strategy=fedbuff", "strategy.proximal_mu=-0.1"], "strategy.proximal_mu=-0.1"),
 ]
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import compose_cfg
 
 from fedsim.errors import ConfigError
@@ -34,6 +35,8 @@ BAD = [
     (["+strategy.foo=1"], "strategy.foo=1"),  # a key the strategy does not take: its parameters are listed
     (["+heterogeneity.sped=1"], "heterogeneity.sped=1"),
     (["strategy=fedbuff", "+strategy.alpha=0.5"], "strategy.alpha=0.5"),
+    (["strategy=krum", "clients_per_round=2"], "clients_per_round=2 is not allowed"),  # not strategy.<key>
+    (["strategy=krum", "strategy.num_malicious=1", "clients_per_round=4"], "strategy.num_malicious=1"),
 ]
 
 
@@ -46,6 +49,15 @@ def test_bad_values_raise_config_error_naming_the_key(tmp_path, overrides, needl
     assert not (tmp_path / "metrics.jsonl").exists()  # stopped before any training
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+@pytest.mark.parametrize("override", ["placement=gpu", "placement.server_device=cuda:0", "placement.device=cuda:x"])
+def test_a_cuda_device_this_machine_lacks_is_a_config_error(tmp_path, override):
+    key = override.split("=")[0] if "." in override.split("=")[0] else "placement.device"
+    with pytest.raises(ConfigError, match=f"^{key}="):
+        run_experiment(compose_cfg("quiet=true", override), tmp_path)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_cli_bad_value_prints_one_line_and_exits_2(tmp_path):
     res = fedsim("partitioner.alpha=0", cwd=tmp_path)
     assert res.returncode == 2
@@ -56,8 +68,12 @@ def test_cli_bad_value_prints_one_line_and_exits_2(tmp_path):
 
 def test_cli_unknown_option_is_refused(tmp_path):
     res = fedsim("strategy=nosuch", cwd=tmp_path)
-    assert res.returncode != 0
-    assert "nosuch" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "fedsim: config error: strategy='nosuch' is not allowed: expected one of " in res.stderr
+    assert "fedavg" in res.stderr and "fedbuff" in res.stderr
+    res = fedsim("-m", "partitioner=iid,dirichet", cwd=tmp_path)  # one bad option of a sweep: nothing runs
+    assert res.returncode == 2 and "partitioner='dirichet' is not allowed" in res.stderr
+    assert not (tmp_path / "multirun").exists()
     res = fedsim("num_clientz=3", cwd=tmp_path)
     assert res.returncode == 2 and "unknown config key 'num_clientz' (did you mean 'num_clients'?)" in res.stderr
     res = fedsim("client.lrr=0.1", cwd=tmp_path)
@@ -80,6 +96,16 @@ def test_cli_multirun_writes_sweep_summary_and_survives_a_failing_job(tmp_path):
         else:
             assert r["status"] == "completed" and float(r["final_eval_accuracy"]) > 0
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
+
+    # the same sweep folder again, with two jobs: only they are summarised, and job 0 (completed before)
+    # now fails without the earlier job's figures standing in for its own
+    res = fedsim("-m", "num_clients=6", "num_rounds=1", "clients_per_round=7,2", "quiet=true",
+                 "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert res.returncode == 1 and "sweep summary of 2 runs" in res.stdout
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"], r["rounds_done"]) for r in rows] == [("0", "failed", ""), ("1", "completed", "1")]
+    assert rows[0]["final_eval_accuracy"] == "" and "clients_per_round=7" in rows[0]["error"]
 
 
 def test_cli_run_that_cannot_go_on_prints_one_line_and_keeps_its_outputs(tmp_path):

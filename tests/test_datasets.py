@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from fedsim.data.digits import load_digits, stratified_split
 from fedsim.data.synthetic import synthetic
+from fedsim.data.synthetic_images import synthetic_images
 from fedsim.data.vision import load_cifar10, load_fashion_mnist, load_mnist, read_idx
 from fedsim.errors import ConfigError, DataNotFoundError
 
@@ -179,6 +180,11 @@ def test_read_idx_round_trip_and_corrupt_file(tmp_path):
     (tmp_path / "bad").write_bytes(b"\x00\x00\x08\x03" + (2).to_bytes(4, "big"))  # header cut short
     with pytest.raises(ConfigError, match="IDX"):
         read_idx(tmp_path / "bad")
+    whole = (tmp_path / "a.gz").read_bytes()
+    for name, data in (("cut.gz", whole[: len(whole) // 2]), ("plain.gz", b"not gzip at all")):
+        (tmp_path / name).write_bytes(data)  # a cut-off download, a file that is not gzip
+        with pytest.raises(ConfigError, match=f"{name} is truncated or not an IDX file"):
+            read_idx(tmp_path / name)
 
 
 def test_idx_subsampling_is_seeded(tmp_path):
@@ -250,6 +256,14 @@ def test_cifar_loader(tmp_path):
     assert small.x_train.shape == (7, 3, 32, 32) and small.x_test.shape == (4, 3, 32, 32)
 
 
+def test_truncated_cifar_batch_is_a_config_error(tmp_path):
+    make_cifar_folder(tmp_path / "cifar-10-batches-py")
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_3"
+    batch.write_bytes(batch.read_bytes()[:200])
+    with pytest.raises(ConfigError, match="data_batch_3 is truncated"):
+        load_cifar10(root=str(tmp_path), seed=0)
+
+
 def test_missing_cifar_says_what_and_how(tmp_path):
     with pytest.raises(DataNotFoundError) as info:
         load_cifar10(root=str(tmp_path), seed=0)
@@ -294,3 +308,23 @@ def test_data_root_default_without_env(monkeypatch):
     monkeypatch.delenv("FEDSIM_DATA", raising=False)
     assert OmegaConf.load(CONF / "mnist.yaml").root == "~/.cache/fedsim/mnist"
     assert OmegaConf.load(CONF / "cifar10.yaml").root == "~/.cache/fedsim/cifar10"
+
+
+# ------------------------------------------------------------------------------------- synthetic images
+def test_synthetic_images_lazy_equals_eager_in_any_order():
+    kw = dict(seed=3, num_train=50, num_test=7, shape=[2, 6, 5], num_classes=4)
+    eager, lazy = synthetic_images(**kw), synthetic_images(**kw, lazy=True)
+    assert eager.x_train.shape == (50, 2, 6, 5) and eager.input_shape == (2, 6, 5)
+    rows = np.array([41, 3, 3, 17, 0])
+    np.testing.assert_array_equal(lazy.x_train[rows], eager.x_train[rows])  # made on demand, same values
+    np.testing.assert_array_equal(eager.y_train, lazy.y_train)
+    np.testing.assert_array_equal(eager.x_test, lazy.x_test)
+    other = synthetic_images(**{**kw, "seed": 4})
+    assert not np.array_equal(other.x_train, eager.x_train)
+    assert abs(float(eager.x_train.std()) - 1.0) < 0.2  # scaled to unit std overall
+
+
+@pytest.mark.parametrize("shape", [28, "1x28x28", [1, 28], [1, 0, 28], [1, 28.5, 28]])
+def test_synthetic_images_bad_shape_is_a_config_error(shape):
+    with pytest.raises(ConfigError, match="^shape=.*three positive integers"):
+        synthetic_images(seed=0, num_train=4, num_test=2, shape=shape)

@@ -299,6 +299,12 @@ def test_flwr_datasets_adapter(tmp_path, monkeypatch):
     assert_valid(nat, LABELS.size, 20)
     with pytest.raises(ConfigError, match="name"):
         P.flwr_datasets(LABELS, 10, np.random.default_rng(0), name="NoSuchPartitioner")
+    # the partitioner's own refusals (a missing parameter, an unreachable minimum size) become config errors
+    with pytest.raises(ConfigError, match="^name='ShardPartitioner' .*flwr-datasets says"):
+        P.flwr_datasets(LABELS, 10, np.random.default_rng(0), name="ShardPartitioner")
+    with pytest.raises(ConfigError, match="^name='DirichletPartitioner' .*flwr-datasets says"):
+        P.flwr_datasets(LABELS, 10, np.random.default_rng(0), name="DirichletPartitioner", alpha=0.01,
+                        min_partition_size=len(LABELS) // 10)
 
 
 @pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)

@@ -10,6 +10,7 @@ from conftest import TINY, compose_cfg, read_metrics, run_tiny, without_wall_tim
 from fedsim import keys
 from fedsim.client_app import app as client_app
 from fedsim.engines.inprocess import InProcessGrid
+from fedsim.errors import ConfigError
 from fedsim.server import sample_cohort
 
 
@@ -132,6 +133,39 @@ def test_federated_evaluation_records_client_metrics(tmp_path):
     assert all(0.0 <= r["fed_eval_accuracy"] <= 1.0 and r["fed_eval_loss"] > 0 for r in recs)
     run_tiny(tmp_path / "off")
     assert "fed_eval_accuracy" not in read_metrics(tmp_path / "off")[-1]
+
+
+def test_federated_evaluation_asks_a_seeded_fraction_of_the_cohort():
+    from fedsim.server import sample_evaluators
+
+    cohort = [3, 8, 11, 20, 25, 31, 40, 52, 60, 77]
+    some = sample_evaluators(0, 4, cohort, 0.3)
+    assert len(some) == 3 and set(some) <= set(cohort) and some == sorted(some)
+    assert some == sample_evaluators(0, 4, cohort, 0.3)  # seeded: the same every time
+    assert len({tuple(sample_evaluators(0, r, cohort, 0.3)) for r in range(1, 30)}) > 1  # and varies by round
+    assert sample_evaluators(0, 4, cohort, 1.0) == cohort and len(sample_evaluators(0, 4, cohort, 0.01)) == 1
+
+
+def test_federated_evaluation_fraction_is_honoured(tmp_path, monkeypatch):
+    from fedsim import server
+
+    asked = []
+    real = server._federated_eval
+    monkeypatch.setattr(server, "_federated_eval",
+                        lambda grid, strategy, rnd, arrays, spec, view, timeout: asked.append(len(list(view.get_node_ids())))
+                        or real(grid, strategy, rnd, arrays, spec, view, timeout))
+    run_tiny(tmp_path, "clients_per_round=4", "federated_eval=true", "strategy.fraction_evaluate=0.5")
+    assert asked == [2, 2]
+    assert all("fed_eval_accuracy" in r for r in read_metrics(tmp_path)[1:])
+    with pytest.raises(ConfigError, match="strategy.fraction_evaluate=0"):
+        run_tiny(tmp_path / "bad", "federated_eval=true", "strategy.fraction_evaluate=0")
+
+
+def test_federated_evaluation_skips_clients_without_validation_examples(tmp_path):
+    """Tiny partitions whose validation split rounds to zero examples: no division by zero, no fed_ fields."""
+    summary = run_tiny(tmp_path, "partitioner=iid", "num_clients=200", "clients_per_round=5", "federated_eval=true")
+    assert summary["status"] == "completed" and summary["total_failures"] == 0
+    assert all("fed_eval_accuracy" not in r for r in read_metrics(tmp_path))
 
 
 def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):

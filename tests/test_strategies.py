@@ -272,6 +272,8 @@ def test_krum_cohort_checks():
         Krum(num_malicious=1, num_selected=5, **KW).check_cohort(5)
     with pytest.raises(ConfigError, match="min_replies"):  # too few valid replies at aggregation time
         run_round(k, 1, GLOBAL, make_replies(_models(6)))
+    with pytest.raises(ConfigError, match=r"^clients_per_round=2 .* >= 2 \* num_malicious \+ 3 = 3"):
+        Krum(num_malicious=0, **KW).check_cohort(2)  # no num_malicious could help: name the cohort
 
 
 def test_trimmed_cohort_check_warns_when_nothing_is_trimmed(caplog):

@@ -395,13 +395,19 @@ def flwr_datasets(
         )
     if kwargs.get("partition_by") == "group" and groups is None:
         raise ConfigError("name", name, "a label-based partitioner", "This data set has no natural groups.")
-    part = cls(**kwargs)
-    part.dataset = datasets.Dataset.from_dict(columns)
-    if part.num_partitions != k:
+    try:
+        part = cls(**kwargs)
+        part.dataset = datasets.Dataset.from_dict(columns)
+        made = part.num_partitions
+        parts = [np.sort(np.asarray(part.load_partition(i)["idx"], dtype=np.int64)) for i in range(min(made, k))]
+    except (TypeError, ValueError, KeyError) as e:  # the partitioner's own check of its parameters or the data
+        reason = " ".join(str(e).split())[:300]
         raise ConfigError(
-            "num_clients", num_clients, f"{part.num_partitions}, the number of partitions {name} made"
-        )
-    parts = [np.sort(np.asarray(part.load_partition(i)["idx"], dtype=np.int64)) for i in range(k)]
+            "name", name, f"parameters {name} accepts for this data (flwr-datasets says: {reason})",
+            "Set them with +partitioner.<key>=VALUE, remove them with ~partitioner.<key>.",
+        ) from None
+    if made != k:
+        raise ConfigError("num_clients", num_clients, f"{made}, the number of partitions {name} made")
     if min(p.size for p in parts) == 0:
         raise ConfigError("name", name, "a partitioner that gives every client at least one example")
     return parts

@@ -163,9 +163,11 @@ def synthetic_images(
     ):
         if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
             raise ConfigError(key, val, f"an integer >= {lo}")
-    shape = tuple(int(s) for s in shape)
-    if len(shape) != 3 or min(shape) < 1:
-        raise ConfigError("shape", list(shape), "three positive integers [C, H, W]")
+    dims = list(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
+    if (dims is None or len(dims) != 3
+            or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in dims)):
+        raise ConfigError("shape", shape if dims is None else dims, "three positive integers [C, H, W]")
+    shape = tuple(int(s) for s in dims)
     if (
         not isinstance(noise, (int, float))
         or isinstance(noise, bool)

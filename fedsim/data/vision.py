@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +49,11 @@ def read_idx(path: str | Path) -> np.ndarray:
     """
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error):  # a cut-off download or not gzip at all
+        data = b""  # reported below as truncated
     ndim = data[3] if len(data) >= 4 else 0
     bad = len(data) < 4 + 4 * ndim or data[0] != 0 or data[1] != 0 or data[2] != 0x08 or ndim == 0
     shape = [] if bad else [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
@@ -195,16 +199,19 @@ def load_fashion_mnist(
 
 
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    with open(path, "rb") as f:
-        batch = pickle.load(f, encoding="latin1")  # the files are trusted local data, as in torchvision
-    data = np.asarray(batch["data"], dtype=np.uint8)
-    labels = np.asarray(batch["labels"], dtype=np.int64)
+    try:
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="latin1")  # the files are trusted local data, as in torchvision
+        data = np.asarray(batch["data"], dtype=np.uint8)
+        labels = np.asarray(batch["labels"], dtype=np.int64)
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+        data, labels = np.zeros((0, 0), np.uint8), np.zeros(1, np.int64)  # reported below as not a batch
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
         raise ConfigError(
             "root",
             str(path.parent),
             "CIFAR-10 batches with data of shape (n, 3072)",
-            f"{path.name} is not one.",
+            f"{path.name} is truncated or not one; download it again.",
         )
     return data.reshape(-1, 3, 32, 32), labels
 
