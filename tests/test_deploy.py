@@ -101,7 +101,7 @@ def test_out_dir_from_run_config(tmp_path):
 
 @pytest.mark.parametrize("overrides, match", [
     ("num_clientz=3", "unknown config key 'num_clientz' (did you mean 'num_clients'?)"),
-    ("strategy=nope", "Could not find 'strategy/nope'"),
+    ("strategy=nope", "strategy='nope' is not allowed: expected one of "),
     ("num_rounds='3", "balanced quotes"),
 ])
 def test_bad_overrides_are_one_clear_line(overrides, match):
