@@ -33,7 +33,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim import keys
+from fedsim import checkpoint, keys
 from fedsim.clock import Heterogeneity
 from fedsim.errors import RunError
 from fedsim.grid_utils import screen_replies
@@ -82,6 +82,10 @@ def choose_client(seed: int, task: int, num_clients: int, busy: set[int]) -> int
     return pid
 
 
+def _to_state_dicts(parts: dict) -> dict:
+    return {**parts, "models": {v: rec.to_torch_state_dict() for v, rec in parts["models"].items()}}
+
+
 class _Snapshot:
     """Stands in ``RunState.extra`` for the loop's state; pickled (by a checkpoint) as ``AsyncLoop.snapshot()``.
 
@@ -93,6 +97,16 @@ class _Snapshot:
 
     def __reduce__(self):
         return (dict, (self.run.snapshot(),))
+
+
+class _Frozen:
+    """The loop's state at one moment (``AsyncLoop.parts()``), pickled as ``snapshot()`` would have been then."""
+
+    def __init__(self, parts: dict) -> None:
+        self.parts = parts
+
+    def __reduce__(self):
+        return (dict, (_to_state_dicts(self.parts),))
 
 
 def train_message(arrays: ArrayRecord, spec: str, version: int, task: int, node_id: int,
@@ -275,15 +289,19 @@ class AsyncLoop:
         return rec
 
     # ------------------------------------------------------------------ checkpoints
-    def snapshot(self) -> dict:
-        """What a checkpoint needs to continue: tasks in flight with their start models, counters."""
+    def parts(self) -> dict:
+        """``snapshot()`` with the start models still as (never changed in place) records: cheap to take."""
         return {
             "next_task": self.next_task,
             "inflight": [asdict(t) for _, _, t in sorted(self.inflight, key=lambda e: (e[0], e[1]))],
-            "models": {v: rec.to_torch_state_dict() for v, rec in self.models.items()
+            "models": {v: rec for v, rec in self.models.items()
                        if any(t.version == v and t.fate == "train" for _, _, t in self.inflight)},
             "totals": dict(self.totals),
         }
+
+    def snapshot(self) -> dict:
+        """What a checkpoint needs to continue: tasks in flight with their start models, counters."""
+        return _to_state_dicts(self.parts())
 
     def restore(self, snap: dict) -> None:
         """Continue from ``snapshot()``: re-send every task that was in flight, from its own start model."""
@@ -324,6 +342,9 @@ def run_async(
     if "async" in state.extra:
         run.restore(state.extra["async"])
     wall_start = time.perf_counter()
+    if state.round < loop.num_rounds:
+        run.fill()
+    state.rollback = checkpoint.mark(state, strategy, _Frozen(run.parts()))  # an interrupt returns here
     try:
         while state.round < loop.num_rounds and not state.extra.get("stop_reason"):
             run.fill()
@@ -346,6 +367,9 @@ def run_async(
                 record["eval_loss"], record["eval_accuracy"] = evaluate_fn(state.arrays)
             state.extra["async"] = _Snapshot(run)
             on_round(record, state)
+            if state.round < loop.num_rounds and not state.extra.get("stop_reason"):
+                run.fill()  # the next tasks are part of the continuation an interrupt returns to
+            state.rollback = checkpoint.mark(state, strategy, _Frozen(run.parts()))
             wall_start = time.perf_counter()
     finally:
         state.extra["async"] = run.snapshot()

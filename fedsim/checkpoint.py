@@ -9,6 +9,7 @@ client)`` rather than from a running generator, so no RNG stream needs saving be
 
 from __future__ import annotations
 
+import copy
 import pickle
 from pathlib import Path
 
@@ -21,8 +22,43 @@ from fedsim.recorder import atomic_torch_save
 FORMAT = 1
 
 
-def save(path: Path, state, strategy, records: list[dict]) -> None:
-    """Write a checkpoint of ``state`` and ``strategy`` to ``path`` (temp file + rename)."""
+# Keys a resumed run may change: how long it runs, what it logs and where it computes, not what it computes.
+FREE_KEYS = ("num_rounds", "resume", "quiet", "checkpoint_every", "eval_every", "target_accuracy", "stop_at_target",
+             "round_timeout", "node_timeout", "engine", "placement", "clipping.max_epsilon",
+             "strategy.default_num_rounds", "strategy.wall_clock")
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if not isinstance(node, dict):
+        return {prefix[:-1]: node}
+    out = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}."))
+    return out
+
+
+def check_config(ckpt: dict, config: dict, where: str) -> None:
+    """Raise ``ConfigError`` on ``resume`` when ``config`` computes something else than the checkpointed run.
+
+    Only the keys in ``FREE_KEYS`` (and those below them) may differ. Checkpoints without a config (older ones)
+    are not checked.
+    """
+    saved = ckpt.get("config")
+    if saved is None:
+        return
+    a, b = _flat(saved), _flat(config)
+    free = lambda k: any(k == f or k.startswith(f + ".") for f in FREE_KEYS)  # noqa: E731
+    diff = [k for k in sorted(set(a) | set(b)) if not free(k) and a.get(k, "<unset>") != b.get(k, "<unset>")]
+    if diff:
+        shown = ", ".join(f"{k} (checkpoint: {a.get(k, '<unset>')!r}, now: {b.get(k, '<unset>')!r})" for k in diff[:4])
+        more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+        raise ConfigError("resume", where, f"a checkpoint of this experiment, but these keys differ: {shown}{more}",
+                          "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml); only "
+                          "num_rounds, logging, targets, timeouts, engine and placement may change.")
+
+
+def save(path: Path, state, strategy, records: list[dict], config: dict | None = None) -> None:
+    """Write a checkpoint of ``state``, ``strategy`` and the run's resolved ``config`` to ``path`` (temp + rename)."""
     has_sd = callable(getattr(strategy, "state_dict", None))
     atomic_torch_save({
         "format": FORMAT,
@@ -33,6 +69,7 @@ def save(path: Path, state, strategy, records: list[dict]) -> None:
         "strategy_state": strategy.state_dict() if has_sd else None,
         "strategy_pickle": None if has_sd else pickle.dumps(strategy),
         "records": records,
+        "config": config,
     }, Path(path))
 
 
@@ -55,7 +92,34 @@ def restore(ckpt: dict, state, strategy):
     state.round = int(ckpt["round"])
     state.sim_time = float(ckpt["sim_time"])
     state.extra = dict(ckpt.get("extra") or {})
+    state.extra.pop("stop_reason", None)  # why the checkpointed run stopped is not a reason to stop this one
     if ckpt.get("strategy_state") is not None:
         strategy.load_state_dict(ckpt["strategy_state"])
         return strategy
     return pickle.loads(ckpt["strategy_pickle"])
+
+
+def mark(state, strategy, loop_state: dict | None = None) -> dict:
+    """The point an interrupted run rolls back to: the state and strategy after the last completed round.
+
+    Taken by the loops after every round (or server model version). ``loop_state`` is the loop's own
+    continuation (the async loop's tasks in flight); it replaces ``extra["async"]`` on a roll-back.
+    Cheap: the model is referenced (records are replaced, never changed in place), the strategy state pickled.
+    """
+    has_sd = callable(getattr(strategy, "state_dict", None))
+    extra = {k: v for k, v in state.extra.items() if k != "async"}
+    return {"round": state.round, "sim_time": state.sim_time, "arrays": state.arrays,
+            "extra": copy.deepcopy(extra), "loop_state": loop_state,
+            "strategy": pickle.dumps(strategy.state_dict() if has_sd else strategy), "has_sd": has_sd}
+
+
+def roll_back(point: dict, state, strategy):
+    """Put ``state`` back to ``point`` (from :func:`mark`); return the strategy to save with it."""
+    state.round, state.sim_time, state.arrays = point["round"], point["sim_time"], point["arrays"]
+    state.extra = dict(point["extra"])
+    if point["loop_state"] is not None:
+        state.extra["async"] = point["loop_state"]
+    if point["has_sd"]:
+        strategy.load_state_dict(pickle.loads(point["strategy"]))
+        return strategy
+    return pickle.loads(point["strategy"])

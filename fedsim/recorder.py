@@ -62,6 +62,17 @@ class Recorder:
         if not self.quiet:
             print(self.progress_line(record), file=sys.stderr, flush=True)
 
+    def amend(self, fields: dict) -> None:
+        """Add ``fields`` to the last record and rewrite metrics.jsonl (e.g. the evaluation of a stopped run)."""
+        self.records[-1].update({k: _clean(v) for k, v in fields.items()})
+        self._metrics.seek(0)
+        self._metrics.truncate()
+        for r in self.records:
+            self._metrics.write(json.dumps(r) + "\n")
+        self._metrics.flush()
+        if not self.quiet:
+            print(self.progress_line(self.records[-1]), file=sys.stderr, flush=True)
+
     def progress_line(self, r: dict) -> str:
         """``[round 5/30] acc 0.873  loss 0.412  clients 10  sim 12.3s  elapsed 3.2s`` (+ extras)."""
         parts = [f"[round {r['round']:>{len(str(self.num_rounds))}}/{self.num_rounds}]"]

@@ -107,30 +107,33 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     write_partition_stats(out_dir, train, ds.y_train, ds.num_classes)
     state = RunState(arrays=ArrayRecord(model.state_dict()))
     records: list[dict] = []
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    target = cfg.get("target_accuracy")
+    stop_at_target = bool(cfg.get("stop_at_target"))
     if cfg.get("resume"):
         ckpt = checkpoint.load(cfg.resume)
+        checkpoint.check_config(ckpt, resolved, str(cfg.resume))
         strategy = checkpoint.restore(ckpt, state, strategy)
+        if (state.extra.get("target_reached") or {}).get("target") != target:
+            state.extra.pop("target_reached", None)  # reached for another target (or none)
         records = ckpt["records"]
         log.warning("resuming from %s at round %d", cfg.resume, state.round)
     recorder = Recorder(out_dir, loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records)
     every = int(cfg.get("checkpoint_every") or 0)
     ckpt_path = out_dir / "checkpoint.pt"
 
-    target = cfg.get("target_accuracy")
-    stop_at_target = bool(cfg.get("stop_at_target"))
-
     def on_round(record: dict, st: RunState) -> None:
         recorder.log(record)
         acc = record.get("eval_accuracy")
         if target is not None and acc is not None and acc >= target and "target_reached" not in st.extra:
-            st.extra["target_reached"] = {"round": record["round"], "sim_time": record.get("sim_time"),
+            st.extra["target_reached"] = {"target": target, "round": record["round"], "sim_time": record.get("sim_time"),
                                           "wall_time": recorder.records[-1]["wall_time"]}
             log.warning("target accuracy %.4g reached at round %d (simulated time %.1f s)", target,
                         record["round"], record.get("sim_time", 0.0))
             if stop_at_target:
                 st.extra["stop_reason"] = f"target accuracy {target} reached"
         if every and st.round > 0 and (st.round % every == 0 or st.round == loop.num_rounds):
-            checkpoint.save(ckpt_path, st, strategy, recorder.records)
+            checkpoint.save(ckpt_path, st, strategy, recorder.records, resolved)
 
     deployed = grid is not None
 
@@ -166,10 +169,20 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
             ray_engine.run(int(cfg.num_clients), server_main, backend)
         else:
             raise ConfigError("engine", engine, f"one of {', '.join((*LOCAL_ENGINES, 'ray'))}")
+        if state.extra.get("stop_reason") and recorder.records and recorder.records[-1]["round"] == state.round:
+            # a stop before num_rounds: the final model is evaluated (eval_every or not) and checkpointed
+            if recorder.records[-1].get("eval_accuracy") is None:
+                loss, acc = evaluate_fn(state.arrays)
+                recorder.amend({"eval_loss": loss, "eval_accuracy": acc})
+            if every:
+                checkpoint.save(ckpt_path, state, strategy, recorder.records, resolved)
     except KeyboardInterrupt:
         status = "interrupted"
+        if state.rollback is not None:  # back to the end of the last completed round: resume repeats nothing
+            strategy = checkpoint.roll_back(state.rollback, state, strategy)
         log.warning("interrupted: writing a checkpoint and the outputs of the %d rounds done", state.round)
-        checkpoint.save(ckpt_path, state, strategy, recorder.records)
+        checkpoint.save(ckpt_path, state, strategy, [r for r in recorder.records if r["round"] <= state.round],
+                        resolved)
     except BaseException:
         status = "failed"
         raise

@@ -19,7 +19,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim import keys
+from fedsim import checkpoint, keys
 from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
@@ -53,6 +53,7 @@ class RunState:
     round: int = 0
     sim_time: float = 0.0
     extra: dict = field(default_factory=dict)  # loop-specific state (e.g. the async loop's bookkeeping)
+    rollback: dict | None = None  # checkpoint.mark() after the last completed round: where an interrupt returns
 
 
 def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]:
@@ -132,8 +133,11 @@ def plan_round(clock: Heterogeneity, work: Workload, cohort: list[int], rnd: int
 
 
 def record_initial(state: RunState, evaluate_fn, on_round) -> None:
-    """Evaluate and record the initial global model as round 0."""
+    """Evaluate and record the initial global model as round 0 (once: not again when resuming at round 0)."""
+    if state.extra.get("initial_recorded"):
+        return
     loss, acc = evaluate_fn(state.arrays)
+    state.extra["initial_recorded"] = True
     on_round({"round": 0, "sim_time": 0.0, "num_clients": 0, "eval_loss": loss, "eval_accuracy": acc}, state)
 
 
@@ -158,6 +162,7 @@ def run_sync(
         record_initial(state, evaluate_fn, on_round)
 
     while state.round < loop.num_rounds and not state.extra.get("stop_reason"):
+        state.rollback = checkpoint.mark(state, strategy)  # an interrupt in this round returns here
         rnd = state.round + 1
         t0 = time.perf_counter()
         cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)

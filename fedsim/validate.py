@@ -76,6 +76,8 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError("client.optimizer", c.optimizer, f"one of {', '.join(OPTIMIZERS)}")
     _num(cfg, "client.lr", 0.0, lo_open=True)
     _num(cfg, "client.momentum", 0.0, 1.0, hi_open=True)
+    if c.optimizer == "nesterov" and not c.momentum > 0:
+        raise ConfigError("client.momentum", c.momentum, "a number in (0, 1) with client.optimizer=nesterov")
     _num(cfg, "client.weight_decay", 0.0)
     _int(cfg, "client.batch_size", 0, what="an integer >= 1, or 0 for full batch")
     _int(cfg, "client.local_steps", 0)

@@ -28,6 +28,7 @@ BAD = [
     (["client.batch_size=-4"], "client.batch_size=-4"),
     (["client.lr=0"], "client.lr=0"),
     (["client.optimizer=lbfgs"], "client.optimizer='lbfgs'"),
+    (["client=sgd", "client.optimizer=nesterov", "client.momentum=0"], "client.momentum=0"),
     (["partitioner.alpha=0"], "partitioner.alpha=0"),
     (["partitioner.alpha=-1"], "partitioner.alpha=-1"),
     (["num_clients=5000"], "num_clients"),  # more clients than examples

@@ -94,8 +94,11 @@ def run_app(app, msg: Message, ctx: Context) -> Message:
 
 def worker_main(read_fd: int, write_fd: int, app_ref: str) -> None:
     """Worker process: run ClientApp messages until told to stop or the server process goes away."""
+    import signal
+
     import torch
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server stops us
     torch.set_num_threads(1)  # client_task sets placement.threads_per_client once a task is built
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     app = load_app(app_ref)
