@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -59,9 +60,13 @@ def report(runs: dict, out_png: Path) -> None:
     base = mean.get("fedavg")
     print()
     for name, m in mean.items():
-        ratio = f"  ({base / m:.2f}x sooner than fedavg)" if base and name != "fedavg" else ""
+        finite = math.isfinite(base or math.nan) and math.isfinite(m)
+        ratio = f"  ({base / m:.2f}x sooner than fedavg)" if finite and name != "fedavg" else ""
+        if not math.isfinite(m):
+            ratio = "  (some seeds never reached the target)"
         print(f"mean {name:10s} {m:6.2f} s{ratio}")
     fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
+    target = None
     for (name, items), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
         for i, (summary, recs) in enumerate(items):
             ev = [r for r in recs if r.get("eval_accuracy") is not None]

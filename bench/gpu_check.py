@@ -83,6 +83,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.device)))
         return
+    unknown = [n for n in (args.only or "").split(",") if n and n not in RUNS]
+    if unknown:
+        ap.error(f"--only {unknown[0]!r}: expected a comma list of {', '.join(RUNS)}")
     import torch
 
     if not torch.cuda.is_available() and not args.dry_run_cpu:

@@ -283,6 +283,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(*args.child, args.rounds, args.small)))
         return
+    unknown = [sc for sc in args.scenarios.split(",") if sc not in DEFAULT_VARIANTS]
+    if unknown:
+        ap.error(f"--scenarios {unknown[0]!r}: expected a comma list of {', '.join(DEFAULT_VARIANTS)}")
     before, rows = bench.machine_line(), []
     for sc in args.scenarios.split(","):
         wanted = (args.variants or DEFAULT_VARIANTS[sc]).split(",")

@@ -110,6 +110,7 @@ class Recorder:
             "sim_time": last.get("sim_time"),
             "wall_time": time.perf_counter() - self.t0,
             "total_failures": sum(int(r.get("failures") or 0) for r in self.records),
+            "final_epsilon": next((r["epsilon"] for r in reversed(self.records) if r.get("epsilon") is not None), None),
             **extra,
         }
 

@@ -103,6 +103,15 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
         node_timeout=float(cfg.get("node_timeout", 300)), eval_every=int(cfg.eval_every),
         federated_eval=bool(cfg.federated_eval), fraction_evaluate=float(cfg.strategy.get("fraction_evaluate", 1.0)),
     )
+    if grid is None and str(cfg.engine.name) == "ray":  # Ray's own checks, before any output is written
+        from fedsim.engines import ray as ray_engine
+
+        backend = ray_engine.backend_config(
+            cfg.placement.num_cpus_per_client, cfg.placement.num_gpus_per_client,
+            address=cfg.engine.get("address"), num_cpus=cfg.engine.get("num_cpus"),
+            num_gpus=cfg.engine.get("num_gpus"),
+        )
+        ray_engine.preflight(backend)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_partition_stats(out_dir, train, ds.y_train, ds.num_classes)
     state = RunState(arrays=ArrayRecord(model.state_dict()))
@@ -159,13 +168,6 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
             finally:
                 getattr(local, "close", lambda: None)()  # stop worker processes, also after errors
         elif engine == "ray":
-            from fedsim.engines import ray as ray_engine
-
-            backend = ray_engine.backend_config(
-                cfg.placement.num_cpus_per_client, cfg.placement.num_gpus_per_client,
-                address=cfg.engine.get("address"), num_cpus=cfg.engine.get("num_cpus"),
-                num_gpus=cfg.engine.get("num_gpus"),
-            )
             ray_engine.run(int(cfg.num_clients), server_main, backend)
         else:
             raise ConfigError("engine", engine, f"one of {', '.join((*LOCAL_ENGINES, 'ray'))}")

@@ -11,7 +11,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 COLUMNS = ("job", "overrides", "status", "final_eval_accuracy", "best_eval_accuracy", "rounds_done",
-           "sim_time", "wall_time", "target_round", "target_sim_time", "error")
+           "sim_time", "wall_time", "target_round", "target_sim_time", "final_epsilon", "error")
 
 
 def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:

@@ -83,16 +83,14 @@ class Krum(FedAvg):
         valid, models, _ = self._parse(replies)
         if not valid:
             return None, None
-        try:
-            self.check_cohort(len(valid))
-        except ConfigError as e:
+        if len(valid) < self.min_cohort():
             raise ConfigError(
-                e.key,
-                e.value,
-                e.allowed,
-                f"Round {server_round} has only {len(valid)} valid "
-                f"replies; set min_replies >= {self.min_cohort()} to skip such rounds.",
-            ) from None
+                f"round {server_round} valid replies",
+                len(valid),
+                f"at least {self.min_cohort()} for Krum (num_malicious={self.num_malicious}, "
+                f"num_selected={self.num_selected})",
+                f"Set min_replies >= {self.min_cohort()} to skip such rounds before aggregation.",
+            )
         flat = np.stack([flatten({k: a for k, a in m.items() if is_float(a)}) for m in models])  # (n, d)
         chosen = krum_select(flat, self.num_malicious, self.num_selected)
         arrays = weighted_mean([models[i] for i in chosen], [1.0] * len(chosen))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from dp_accounting.rdp import RdpAccountant
 from flwr.serverapp import strategy as flwr_strategies
-from strategy_helpers import configure, flower_kwargs, make_replies, run_round, snapshot
+from strategy_helpers import configure, flower_kwargs, make_replies, make_reply, run_round, snapshot
 
 from fedsim import keys
 from fedsim.errors import ConfigError, StopRun
@@ -175,6 +175,16 @@ def test_dp_mode_uses_the_fixed_denominator_and_uniform_weights():
     s = fixed(clip_norm=10.0, noise_multiplier=1e-5, num_clients=4, clients_per_round=4)
     out, _ = run_round(s, 1, G, make_replies(models, [1, 100]))
     np.testing.assert_allclose(out["w"] - G["w"], 0.01, atol=5e-4)
+
+
+@pytest.mark.parametrize("z", [0.0, 1.0])
+def test_train_metrics_keep_their_example_weights_with_and_without_noise(z):
+    """Uniform weights are for the models only: train_loss is the example-weighted mean either way."""
+    models = [{k: G[k] + 0.01 if G[k].dtype.kind == "f" else G[k] for k in G}] * 2
+    replies = [make_reply(models[0], 1, 0, train_loss=1.0), make_reply(models[1], 3, 1, train_loss=3.0)]
+    s = fixed(clip_norm=10.0, noise_multiplier=z, num_clients=4, clients_per_round=2)
+    _, metrics = run_round(s, 1, G, replies)
+    assert metrics[keys.TRAIN_LOSS] == pytest.approx((1.0 * 1 + 3.0 * 3) / 4)
 
 
 # ---------------------------------------------------------------- accounting and budget

@@ -37,3 +37,58 @@ def test_async_loop_gives_identical_metrics_on_ray_and_inprocess(tmp_path):
         assert ra.keys() == rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=1e-6, abs=1e-7), (ra["round"], k)
+
+
+def test_ray_placement_beyond_the_machine_is_a_config_error_before_ray_starts(tmp_path, monkeypatch):
+    import os
+
+    from fedsim.errors import ConfigError
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no cluster file there
+    with pytest.raises(ConfigError, match=r"^placement\.num_cpus_per_client=.*Ray gets 1 CPUs"):
+        run_tiny(tmp_path / "a", "engine=ray", "+engine.num_cpus=1", "placement.num_cpus_per_client=2")
+    with pytest.raises(ConfigError, match=r"^engine\.address='auto' .*running Ray cluster"):
+        run_tiny(tmp_path / "b", "engine=ray", "engine.address=auto")
+    assert os.cpu_count() >= 1 and not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+def test_a_failing_ray_engine_is_one_run_error_and_ends_the_server_waits(monkeypatch):
+    """Flower's engine fails (e.g. no actor fits): one RunError at once, and the ServerApp thread stops waiting."""
+    import threading
+    import time
+
+    import flwr.simulation
+
+    from fedsim.engines import ray as ray_engine
+    from fedsim.errors import RunError
+    from fedsim.grid_utils import wait_for_nodes
+
+    waited = {}
+
+    def failing_run_simulation(server_app, client_app, num_supernodes, backend_config):
+        class NoNodes:
+            def get_node_ids(self):
+                return []
+
+        def serve():  # what Flower's ServerApp thread does: wait for the nodes
+            t0 = time.monotonic()
+            try:
+                server_app._main(NoNodes(), None)
+            except RunError as e:
+                waited["error"], waited["s"] = str(e), time.monotonic() - t0
+
+        waited["thread"] = threading.Thread(target=serve)
+        waited["thread"].start()
+        time.sleep(0.3)
+        try:
+            raise ValueError("ActorPool is empty. Nothing to do")
+        except ValueError as ex:
+            raise RuntimeError("An error was encountered. Ending simulation.") from ex
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", failing_run_simulation)
+    backend = ray_engine.backend_config(1, 0, num_cpus=1)
+    with pytest.raises(RunError, match="the Ray simulation failed: .*ActorPool is empty"):
+        ray_engine.run(2, lambda grid: wait_for_nodes(grid, 2, timeout=300), backend)
+    waited["thread"].join(timeout=10)
+    assert waited["error"] == "the Ray simulation engine stopped" and waited["s"] < 5

@@ -175,4 +175,6 @@ def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):
     assert summary["status"] == "stopped" and "epsilon" in summary["stop_reason"].lower()
     assert 1 <= summary["rounds_done"] < 20
     assert all(r["epsilon"] <= 15 for r in recs[1:])
+    assert summary["final_epsilon"] == recs[-1]["epsilon"] > 0
     assert (tmp_path / "model.pt").exists() and (tmp_path / "curves.png").exists()
+    assert run_tiny(tmp_path / "no_dp")["final_epsilon"] is None

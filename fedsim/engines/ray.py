@@ -12,10 +12,78 @@ import os
 import socket
 from collections.abc import Callable
 
+import threading
+import time
+from pathlib import Path
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedsim.errors import ConfigError
+from fedsim.errors import ConfigError, RunError
+from fedsim.grid_utils import GridView, first_line
+
+POLL = 0.05  # seconds between polls of the simulation's grid
+
+
+class _StoppableGrid(GridView):
+    """Flower's in-memory grid, whose waits end with ``RunError`` once the simulation engine has failed.
+
+    Without it the ServerApp thread would wait for nodes or replies until ``node_timeout`` after Ray gave up.
+    """
+
+    def __init__(self, grid: Grid, failed: threading.Event) -> None:
+        super().__init__(grid)
+        self._failed = failed
+
+    def _check(self) -> None:
+        if self._failed.is_set():
+            raise RunError("the Ray simulation engine stopped")
+
+    def get_node_ids(self):  # noqa: D102
+        self._check()
+        return self._grid.get_node_ids()
+
+    def pull_messages(self, message_ids):  # noqa: D102
+        self._check()
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+        ids = set(self.push_messages(messages))
+        end = None if timeout is None else time.monotonic() + timeout
+        replies = []
+        while ids and (end is None or time.monotonic() < end):
+            got = list(self.pull_messages(list(ids)))
+            replies += got
+            ids -= {r.metadata.reply_to_message_id for r in got}
+            if ids:
+                time.sleep(POLL)
+        return replies
+
+
+def _cluster_running() -> bool:
+    """Whether ``address=auto`` can find a Ray cluster: ``RAY_ADDRESS`` or Ray's current-cluster file."""
+    if os.environ.get("RAY_ADDRESS"):
+        return True
+    tmp = Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp")
+    return (tmp / "ray" / "ray_current_cluster").exists()
+
+
+def check_resources(backend: dict) -> None:
+    """One line, before Ray starts, when a client needs more CPUs or GPUs than this machine gives Ray."""
+    init, res = backend["init_args"], backend["client_resources"]
+    if "address" in init:
+        return  # a cluster: its nodes' resources are Ray's to check
+    cpus = float(init["num_cpus"])
+    if res["num_cpus"] > cpus:
+        raise ConfigError("placement.num_cpus_per_client", res["num_cpus"],
+                          f"a number in (0, {cpus:g}]: Ray gets {cpus:g} CPUs here (engine.num_cpus or the cores)")
+    if res["num_gpus"] > 0:
+        import torch
+
+        gpus = float(init.get("num_gpus", torch.cuda.device_count() if torch.cuda.is_available() else 0))
+        if res["num_gpus"] > gpus:
+            raise ConfigError("placement.num_gpus_per_client", res["num_gpus"],
+                              f"a number in [0, {gpus:g}]: Ray gets {gpus:g} GPUs here", "Use placement=cpu.")
 
 
 def backend_config(
@@ -45,6 +113,9 @@ def check_address(address: str | None, timeout: float = 5.0) -> None:
     ``ray.init`` itself retries an unreachable address for a long time. ``None``, ``"auto"`` (the cluster this
     machine belongs to) and ``ray://`` client addresses are left to Ray.
     """
+    if address == "auto" and not _cluster_running():
+        raise ConfigError("engine.address", address, "a running Ray cluster on this machine for 'auto'",
+                          "Start one with `ray start --head`, give its HOST:PORT, or leave engine.address null.")
     if not address or address == "auto" or "://" in address:
         return
     host, sep, port = address.rpartition(":")
@@ -58,13 +129,8 @@ def check_address(address: str | None, timeout: float = 5.0) -> None:
         raise ConfigError("engine.address", address, allowed, f"Nothing answers there ({e}).") from None
 
 
-def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) -> None:
-    """Run ``server_main(grid)`` as a ServerApp against ``num_clients`` simulated SuperNodes.
-
-    With ``address`` in ``backend["init_args"]`` the simulation joins that Ray cluster (``ray start --head``
-    on one machine, ``ray start --address=HEAD:PORT`` on the others); ClientApp actors are placed on any node
-    with free ``client_resources``, so every node needs fedsim installed in the same environment.
-    """
+def preflight(backend: dict) -> None:
+    """The checks that need no Ray: the address answers, the machine has the CPUs and GPUs asked for."""
     check_address(backend["init_args"].get("address"))
     if backend["client_resources"]["num_gpus"] > 0:
         import torch
@@ -72,17 +138,35 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
         if not torch.cuda.is_available() and "address" not in backend["init_args"]:
             raise ConfigError("placement.num_gpus_per_client", backend["client_resources"]["num_gpus"],
                               "0 on a machine without a CUDA GPU", "Use placement=cpu.")
+    check_resources(backend)
+
+
+def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) -> None:
+    """Run ``server_main(grid)`` as a ServerApp against ``num_clients`` simulated SuperNodes.
+
+    With ``address`` in ``backend["init_args"]`` the simulation joins that Ray cluster (``ray start --head``
+    on one machine, ``ray start --address=HEAD:PORT`` on the others); ClientApp actors are placed on any node
+    with free ``client_resources``, so every node needs fedsim installed in the same environment.
+    """
+    preflight(backend)
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     from flwr.simulation import run_simulation
 
     from fedsim.client_app import app as client_app
 
     server_app = ServerApp()
+    failed = threading.Event()
 
     @server_app.main()
     def _main(grid: Grid, context: Context) -> None:
-        server_main(grid)
+        server_main(_StoppableGrid(grid, failed))
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=num_clients,
-                   backend_config=backend)
+    try:
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=num_clients,
+                       backend_config=backend)
+    except RuntimeError as e:
+        failed.set()  # ends the ServerApp thread's waits at once
+        if isinstance(e.__cause__, (RunError, ConfigError)):
+            raise e.__cause__ from None
+        raise RunError(f"the Ray simulation failed: {first_line(str(e.__cause__ or e))}") from None
