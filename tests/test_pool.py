@@ -64,6 +64,25 @@ def test_two_workers_give_the_sequential_run(tmp_path, started):
     assert all(p.poll() is not None for p in started), "workers still running after the run"
 
 
+def test_workers_leave_ctrl_c_to_the_server(started):
+    """Ctrl-C reaches the whole process group: a worker ignores SIGINT (no traceback); the server stops it."""
+    import signal
+    import time
+
+    def round_trip(grid) -> list:  # spec-less queries go to the workers (their replies are errors; fine)
+        return list(grid.send_and_receive([Message(RecordDict({}), n, MessageType.QUERY) for n in grid.get_node_ids()]))
+
+    with pool.PoolGrid(4, workers=2) as grid:
+        assert len(round_trip(grid)) == 4  # both workers up and serving
+        assert all(os.getpgid(pid) != os.getpgid(0) for pid in grid.worker_pids)  # a terminal's Ctrl-C misses them
+        for pid in grid.worker_pids:
+            os.kill(pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in started) and len(started) == 2
+        assert len(round_trip(grid)) == 4
+    assert all(p.poll() is not None for p in started)
+
+
 def test_close_stops_workers_and_is_idempotent(started):
     with pool.PoolGrid(4, workers=2) as grid:
         assert len(grid.worker_pids) == 2 and all(p.poll() is None for p in started)

@@ -94,11 +94,8 @@ def run_app(app, msg: Message, ctx: Context) -> Message:
 
 def worker_main(read_fd: int, write_fd: int, app_ref: str) -> None:
     """Worker process: run ClientApp messages until told to stop or the server process goes away."""
-    import signal
-
     import torch
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the server stops us
     torch.set_num_threads(1)  # client_task sets placement.threads_per_client once a task is built
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     app = load_app(app_ref)
@@ -128,10 +125,13 @@ def _start_worker(app_ref: str) -> _Worker:
     """A fresh interpreter running ``worker_main`` on two pipes (only those fds are inherited)."""
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
-    code = f"from fedsim.engines.pool import worker_main; worker_main({to_r}, {from_w}, {app_ref!r})"
+    code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # Ctrl-C is the server's to handle
+            f"from fedsim.engines.pool import worker_main; worker_main({to_r}, {from_w}, {app_ref!r})")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the server's import path
+    # its own session: a terminal's Ctrl-C goes to the server, which writes its checkpoint and stops the workers
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], pass_fds=(to_r, from_w), env=env, stdin=subprocess.DEVNULL
+        [sys.executable, "-c", code], pass_fds=(to_r, from_w), env=env, stdin=subprocess.DEVNULL,
+        start_new_session=True,
     )
     os.close(to_r)
     os.close(from_w)
