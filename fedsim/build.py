@@ -80,6 +80,8 @@ def client_spec(cfg: DictConfig, device: str) -> str:
 def resolve_device(name: str, key: str = "placement.device") -> str:
     """Map ``auto`` to ``cuda`` when a GPU is visible, else ``cpu``; check that a ``cuda[:N]`` device exists here.
 
+    ``name`` is one ``validate`` accepted (``cpu``, ``auto``, ``cuda`` or ``cuda:N``).
+
     Raises
     ------
     ConfigError
@@ -88,11 +90,8 @@ def resolve_device(name: str, key: str = "placement.device") -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name.startswith("cuda"):
-        head, _, index = name.partition(":")
-        if head != "cuda" or not (index == "" or index.isdigit()):
-            raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(index or 0) >= count:
+        if int(name.partition(":")[2] or 0) >= count:
             have = f"{count} CUDA device(s)" if count else "no CUDA device (or a CPU-only torch build)"
             raise ConfigError(key, name, f"a device this machine has: it has {have}",
                               "Use placement=cpu, or placement.device=auto to take a GPU when there is one.")

@@ -57,17 +57,26 @@ def check_config(ckpt: dict, config: dict, where: str) -> None:
                           "num_rounds, logging, targets, timeouts, engine and placement may change.")
 
 
+def _strategy_fields(strategy, frozen: bool = False) -> dict:
+    """The strategy as a checkpoint holds it: its ``state_dict()`` when it has one, else the pickled object.
+
+    ``frozen``: a copy of the state dict, which later rounds cannot change in place.
+    """
+    if callable(getattr(strategy, "state_dict", None)):
+        sd = strategy.state_dict()
+        return {"strategy_state": copy.deepcopy(sd) if frozen else sd, "strategy_pickle": None}
+    return {"strategy_state": None, "strategy_pickle": pickle.dumps(strategy)}
+
+
 def save(path: Path, state, strategy, records: list[dict], config: dict | None = None) -> None:
     """Write a checkpoint of ``state``, ``strategy`` and the run's resolved ``config`` to ``path`` (temp + rename)."""
-    has_sd = callable(getattr(strategy, "state_dict", None))
     atomic_torch_save({
         "format": FORMAT,
         "round": state.round,
         "sim_time": state.sim_time,
         "extra": state.extra,
         "arrays": state.arrays.to_torch_state_dict(),
-        "strategy_state": strategy.state_dict() if has_sd else None,
-        "strategy_pickle": None if has_sd else pickle.dumps(strategy),
+        **_strategy_fields(strategy),
         "records": records,
         "config": config,
     }, Path(path))
@@ -87,8 +96,9 @@ def load(path: str | Path) -> dict:
 
 
 def restore(ckpt: dict, state, strategy):
-    """Put a checkpoint's content into ``state``; return the strategy to continue with."""
-    state.arrays = ArrayRecord(ckpt["arrays"])
+    """Put a checkpoint's content (from :func:`load`, or a :func:`mark`) into ``state``; return the strategy."""
+    arrays = ckpt["arrays"]
+    state.arrays = arrays if isinstance(arrays, ArrayRecord) else ArrayRecord(arrays)
     state.round = int(ckpt["round"])
     state.sim_time = float(ckpt["sim_time"])
     state.extra = dict(ckpt.get("extra") or {})
@@ -99,27 +109,15 @@ def restore(ckpt: dict, state, strategy):
     return pickle.loads(ckpt["strategy_pickle"])
 
 
-def mark(state, strategy, loop_state: dict | None = None) -> dict:
-    """The point an interrupted run rolls back to: the state and strategy after the last completed round.
+def mark(state, strategy, loop_state=None) -> dict:
+    """A checkpoint held in memory: where an interrupted run rolls back to (with :func:`restore`).
 
-    Taken by the loops after every round (or server model version). ``loop_state`` is the loop's own
-    continuation (the async loop's tasks in flight); it replaces ``extra["async"]`` on a roll-back.
-    Cheap: the model is referenced (records are replaced, never changed in place), the strategy state pickled.
+    Taken by the loops after every completed round (or server model version). ``loop_state`` is the loop's own
+    continuation (the async loop's tasks in flight), kept as ``extra["async"]``. Cheap: the model is
+    referenced (records are replaced, never changed in place), the strategy state copied.
     """
-    has_sd = callable(getattr(strategy, "state_dict", None))
-    extra = {k: v for k, v in state.extra.items() if k != "async"}
-    return {"round": state.round, "sim_time": state.sim_time, "arrays": state.arrays,
-            "extra": copy.deepcopy(extra), "loop_state": loop_state,
-            "strategy": pickle.dumps(strategy.state_dict() if has_sd else strategy), "has_sd": has_sd}
-
-
-def roll_back(point: dict, state, strategy):
-    """Put ``state`` back to ``point`` (from :func:`mark`); return the strategy to save with it."""
-    state.round, state.sim_time, state.arrays = point["round"], point["sim_time"], point["arrays"]
-    state.extra = dict(point["extra"])
-    if point["loop_state"] is not None:
-        state.extra["async"] = point["loop_state"]
-    if point["has_sd"]:
-        strategy.load_state_dict(pickle.loads(point["strategy"]))
-        return strategy
-    return pickle.loads(point["strategy"])
+    extra = copy.deepcopy({k: v for k, v in state.extra.items() if k != "async"})
+    if loop_state is not None:
+        extra["async"] = loop_state
+    return {"round": state.round, "sim_time": state.sim_time, "arrays": state.arrays, "extra": extra,
+            **_strategy_fields(strategy, frozen=True)}

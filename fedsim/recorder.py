@@ -48,6 +48,12 @@ class Recorder:
         offset = self.records[-1]["wall_time"] if self.records else 0.0
         self.t0 = time.perf_counter() - offset
         self._metrics = open(self.out_dir / "metrics.jsonl", "w", encoding="utf-8")
+        self._rewrite()
+
+    def _rewrite(self) -> None:
+        """metrics.jsonl from scratch: one line per record so far."""
+        self._metrics.seek(0)
+        self._metrics.truncate()
         for r in self.records:
             self._metrics.write(json.dumps(r) + "\n")
         self._metrics.flush()
@@ -65,11 +71,7 @@ class Recorder:
     def amend(self, fields: dict) -> None:
         """Add ``fields`` to the last record and rewrite metrics.jsonl (e.g. the evaluation of a stopped run)."""
         self.records[-1].update({k: _clean(v) for k, v in fields.items()})
-        self._metrics.seek(0)
-        self._metrics.truncate()
-        for r in self.records:
-            self._metrics.write(json.dumps(r) + "\n")
-        self._metrics.flush()
+        self._rewrite()
         if not self.quiet:
             print(self.progress_line(self.records[-1]), file=sys.stderr, flush=True)
 

@@ -181,7 +181,7 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     except KeyboardInterrupt:
         status = "interrupted"
         if state.rollback is not None:  # back to the end of the last completed round: resume repeats nothing
-            strategy = checkpoint.roll_back(state.rollback, state, strategy)
+            strategy = checkpoint.restore(state.rollback, state, strategy)
         log.warning("interrupted: writing a checkpoint and the outputs of the %d rounds done", state.round)
         checkpoint.save(ckpt_path, state, strategy, [r for r in recorder.records if r["round"] <= state.round],
                         resolved)

@@ -255,9 +255,9 @@ def _metric_fields(metrics: MetricRecord | None) -> dict:
 def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
     config = ConfigRecord({keys.RUN_SPEC: spec})
     msgs = list(strategy.configure_evaluate(rnd, arrays, config, view))
-    replies = [r for r in grid.send_and_receive(msgs, timeout=timeout) if not r.has_error()]
     # a client without validation examples has nothing to add (and a cohort of them would divide by zero)
-    replies = [r for r in replies if keys.METRICS in r.content and r.content[keys.METRICS].get(keys.NUM_EXAMPLES, 0) > 0]
+    replies = [r for r in grid.send_and_receive(msgs, timeout=timeout) if not r.has_error()
+               and keys.METRICS in r.content and r.content[keys.METRICS].get(keys.NUM_EXAMPLES, 0) > 0]
     agg = strategy.aggregate_evaluate(rnd, replies) if replies else None
     if agg is None:
         return {}

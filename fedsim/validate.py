@@ -89,7 +89,8 @@ def validate(cfg: DictConfig) -> None:
     p = cfg.placement
     for key in ("device", "server_device"):
         dev = str(p[key])
-        if dev not in ("cpu", "auto") and not dev.startswith("cuda"):
+        head, _, index = dev.partition(":")
+        if dev not in ("cpu", "auto") and not (head == "cuda" and (index == "" or index.isdigit())):
             raise ConfigError(f"placement.{key}", dev, "cpu, cuda, cuda:N or auto")
     _num(cfg, "placement.num_cpus_per_client", 0.0, lo_open=True)
     _num(cfg, "placement.num_gpus_per_client", 0.0)

@@ -206,11 +206,11 @@ class ClippingWrapper(Strategy):
         out, metrics = self.strategy.aggregate_train(server_round, rebuilt)
         if out is None:
             return None, metrics
-        aggr = getattr(self.strategy, "train_metrics_aggr_fn", None)
-        if self.dp and callable(aggr):  # the replies' own weights: train_loss means the same with and without noise
-            metrics = aggr([msg.content for msg, _, _ in kept], weight_key)
         if self.dp:
             self.rounds_accounted += 1
+            aggr = getattr(self.strategy, "train_metrics_aggr_fn", None)
+            if callable(aggr):  # the replies' own weights: train_loss means the same with and without noise
+                metrics = aggr([msg.content for msg, _, _ in kept], weight_key)
         report = {
             keys.AGG_CLIP_NORM: c,
             keys.AGG_CLIPPED_FRACTION: 1.0 - float(np.mean(bits)),

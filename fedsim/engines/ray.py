@@ -132,12 +132,6 @@ def check_address(address: str | None, timeout: float = 5.0) -> None:
 def preflight(backend: dict) -> None:
     """The checks that need no Ray: the address answers, the machine has the CPUs and GPUs asked for."""
     check_address(backend["init_args"].get("address"))
-    if backend["client_resources"]["num_gpus"] > 0:
-        import torch
-
-        if not torch.cuda.is_available() and "address" not in backend["init_args"]:
-            raise ConfigError("placement.num_gpus_per_client", backend["client_resources"]["num_gpus"],
-                              "0 on a machine without a CUDA GPU", "Use placement=cpu.")
     check_resources(backend)
 
 
