@@ -24,8 +24,18 @@ STRATEGIES = ("fedavg", "fedasync", "fedbuff")
 
 def run_sweep(sweep_dir: Path, seeds: str, extra: list[str]) -> None:
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
-    cmd = [sys.executable, "-m", "fedsim", "-m", "experiment=async_vs_sync", f"strategy={','.join(STRATEGIES)}",
-           f"seed={seeds}", "quiet=true", f"hydra.sweep.dir={sweep_dir}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fedsim",
+        "-m",
+        "experiment=async_vs_sync",
+        f"strategy={','.join(STRATEGIES)}",
+        f"seed={seeds}",
+        "quiet=true",
+        f"hydra.sweep.dir={sweep_dir}",
+        *extra,
+    ]
     print("$", " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=True, env=env)
 
@@ -36,8 +46,9 @@ def load(sweep_dir: Path) -> dict[str, list[tuple[dict, list[dict]]]]:
     for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()):
         summary = json.loads((job / "summary.json").read_text())
         recs = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        runs.setdefault(summary["choices"].get("strategy") or summary["config"]["strategy"]["_target_"], []).append(
-            (summary, recs))
+        runs.setdefault(
+            summary["choices"].get("strategy") or summary["config"]["strategy"]["_target_"], []
+        ).append((summary, recs))
     return runs
 
 
@@ -54,8 +65,10 @@ def report(runs: dict, out_png: Path) -> None:
         for summary, _ in items:
             t = summary.get("target_sim_time")
             times.append(t if t is not None else float("inf"))
-            print(f"{name:10s} {summary['config']['seed']:>4d} {t if t is None else round(t, 2)!s:>23s} "
-                  f"{summary['rounds_done']:>9d}")
+            print(
+                f"{name:10s} {summary['config']['seed']:>4d} {t if t is None else round(t, 2)!s:>23s} "
+                f"{summary['rounds_done']:>9d}"
+            )
         mean[name] = statistics.mean(times)
     base = mean.get("fedavg")
     print()
@@ -68,15 +81,24 @@ def report(runs: dict, out_png: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
     target = None
     for (name, items), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-        for i, (summary, recs) in enumerate(items):
+        for i, (_, recs) in enumerate(items):
             ev = [r for r in recs if r.get("eval_accuracy") is not None]
-            ax.plot([r["sim_time"] for r in ev], [r["eval_accuracy"] for r in ev], color=color, alpha=0.75, lw=1,
-                    label=name if i == 0 else None)
+            ax.plot(
+                [r["sim_time"] for r in ev],
+                [r["eval_accuracy"] for r in ev],
+                color=color,
+                alpha=0.75,
+                lw=1,
+                label=name if i == 0 else None,
+            )
         target = items[0][0].get("target_accuracy")
     if target:
         ax.axhline(target, color="gray", ls=":", lw=1)
-    ax.set(xlabel="simulated time (s)", ylabel="test accuracy",
-           title="50 clients, lognormal speeds (σ=1), Dirichlet(0.3) digits")
+    ax.set(
+        xlabel="simulated time (s)",
+        ylabel="test accuracy",
+        title="50 clients, lognormal speeds (σ=1), Dirichlet(0.3) digits",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.savefig(out_png, dpi=80)

@@ -21,38 +21,60 @@ import sys
 import time
 from pathlib import Path
 
-ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-       "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
 
 # reproduction -> [(sweep name, fedsim -m arguments)]
 SWEEPS = {
     "fedavg_digits": [
         ("digits_fedsgd", "experiment=fedavg_digits partitioner=iid,shards client=fedsgd"),
-        ("digits_fedavg", "experiment=fedavg_digits partitioner=iid,shards client.local_epochs=1,5,20 "
-                          "client.batch_size=0,10"),
+        (
+            "digits_fedavg",
+            "experiment=fedavg_digits partitioner=iid,shards client.local_epochs=1,5,20 "
+            "client.batch_size=0,10",
+        ),
     ],
     "fedavg_mnist": [
         ("fmnist_fedsgd", "experiment=fedavg_mnist partitioner=iid,shards client=fedsgd"),
-        ("fmnist_fedavg", "experiment=fedavg_mnist partitioner=iid,shards client.local_epochs=1,5 "
-                          "client.batch_size=50,10 num_rounds=60"),
+        (
+            "fmnist_fedavg",
+            "experiment=fedavg_mnist partitioner=iid,shards client.local_epochs=1,5 "
+            "client.batch_size=50,10 num_rounds=60",
+        ),
     ],
     "fedprox": [
         ("fedprox_fedavg", "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9"),
-        ("fedprox_prox", "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0,1 "
-                         "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true"),
+        (
+            "fedprox_prox",
+            "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0,1 "
+            "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true",
+        ),
         # a second data draw: seed 1 (FedProx mu=0 without stragglers is FedAvg, so it is left out)
-        ("fedprox_fedavg_seed1", "experiment=fedprox_synthetic strategy=fedavg "
-                                 "heterogeneity.straggler_prob=0,0.9 seed=1"),
-        ("fedprox_prox_seed1_mu1", "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=1 "
-                                   "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true "
-                                   "seed=1"),
-        ("fedprox_prox_seed1_mu0", "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0 "
-                                   "heterogeneity.straggler_prob=0.9 heterogeneity.partial_work=true seed=1"),
+        (
+            "fedprox_fedavg_seed1",
+            "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9 seed=1",
+        ),
+        (
+            "fedprox_prox_seed1_mu1",
+            "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=1 "
+            "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true "
+            "seed=1",
+        ),
+        (
+            "fedprox_prox_seed1_mu0",
+            "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0 "
+            "heterogeneity.straggler_prob=0.9 heterogeneity.partial_work=true seed=1",
+        ),
     ],
     "dp": [
         ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8"),
-        ("dp_adaptive", "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm "
-                        "clipping.noise_multiplier=0,1,4"),
+        (
+            "dp_adaptive",
+            "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm clipping.noise_multiplier=0,1,4",
+        ),
     ],
 }
 TARGETS = {"fedavg_digits": (0.90, 0.90), "fedavg_mnist": (0.80, 0.70)}  # (IID, shards)
@@ -99,8 +121,11 @@ def fedavg_table(out: Path, prefix: str, targets: tuple[float, float]) -> str:
             tgt = targets[0] if part == "iid" else targets[1]
             rows.setdefault(key, {})[part] = (rounds_to(s["records"], tgt), s["rounds_done"], s["wall_time"])
     base = rows.get(("FedSGD", 1, "inf"), {})
-    lines = [f"| method | E | B | IID: rounds to {targets[0]:.2f} | shards: rounds to {targets[1]:.2f} "
-             "| wall s (both runs) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"| method | E | B | IID: rounds to {targets[0]:.2f} | shards: rounds to {targets[1]:.2f} "
+        "| wall s (both runs) |",
+        "|---|---|---|---|---|---|",
+    ]
 
     def order(k):
         return k[0] != "FedSGD", k[1], k[2] != "inf", -int(k[2]) if k[2] != "inf" else 0
@@ -149,31 +174,41 @@ def fedprox_rows(out: Path, suffix: str = "") -> list[tuple[str, float, dict]]:
 
 
 def fedprox_table(out: Path, suffix: str = "") -> str:
-    lines = ["| stragglers | method | final acc | mean acc, last 10 rounds | min acc after round 10 | "
-             "final test loss | rounds skipped | wall s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| stragglers | method | final acc | mean acc, last 10 rounds | min acc after round 10 | "
+        "final test loss | rounds skipped | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, strag, s in sorted(fedprox_rows(out, suffix), key=lambda t: (t[1], t[0])):
         rec = s["records"]
         skipped = sum(1 for r in rec if r.get("skipped"))
         later = [r["eval_accuracy"] for r in rec if r["round"] > 10 and r.get("eval_accuracy") is not None]
-        lines.append(f"| {strag:.0%} | {name} | {s['final_eval_accuracy']:.3f} "
-                     f"| {_mean_last(rec, 'eval_accuracy'):.3f}"
-                     f" | {min(later, default=float('nan')):.3f} | {s['final_eval_loss']:.3f} | {skipped} |"
-                     f" {s['wall_time']:.0f} |")
+        lines.append(
+            f"| {strag:.0%} | {name} | {s['final_eval_accuracy']:.3f} "
+            f"| {_mean_last(rec, 'eval_accuracy'):.3f}"
+            f" | {min(later, default=float('nan')):.3f} | {s['final_eval_loss']:.3f} | {skipped} |"
+            f" {s['wall_time']:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def dp_table(out: Path, sweep: str = "dp_fixed") -> str:
-    lines = ["| z | final acc | best acc | ε at δ=1e-5 | clip norm C (last round) | noise std | "
-             "clipped fraction (last round) | wall s |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| z | final acc | best acc | ε at δ=1e-5 | clip norm C (last round) | noise std | "
+        "clipped fraction (last round) | wall s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in runs(out, sweep):
         z = s["config"]["clipping"]["noise_multiplier"]
         last = s["records"][-1]
         eps = last.get("epsilon")
-        lines.append(f"| {z:g} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
-                     f"{'∞ (no noise)' if not eps else f'{eps:.2f}'} | "
-                     f"{last.get('clip_norm', float('nan')):.3f} | "
-                     f"{last.get('noise_std', 0.0):.4f} | "
-                     f"{last.get('clipped_fraction', float('nan')):.2f} | {s['wall_time']:.0f} |")
+        lines.append(
+            f"| {z:g} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
+            f"{'∞ (no noise)' if not eps else f'{eps:.2f}'} | "
+            f"{last.get('clip_norm', float('nan')):.3f} | "
+            f"{last.get('noise_std', 0.0):.4f} | "
+            f"{last.get('clipped_fraction', float('nan')):.2f} | {s['wall_time']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -210,17 +245,30 @@ def figures(out: Path, dest: Path) -> None:
 
     rows = fedprox_rows(out)
     if rows:
-        colors = {"FedAvg (drops stragglers)": "tab:blue", "FedProx μ=0": "tab:orange",
-                  "FedProx μ=1": "tab:green"}
+        colors = {
+            "FedAvg (drops stragglers)": "tab:blue",
+            "FedProx μ=0": "tab:orange",
+            "FedProx μ=1": "tab:green",
+        }
         fig, axes = plt.subplots(2, 2, figsize=(9, 5.6), sharex=True, sharey="row")
         for col, strag in enumerate((0.0, 0.9)):
             for name, st, s in rows:
                 if st == strag:
                     rnd = [r["round"] for r in s["records"]]
-                    axes[0, col].plot(rnd, [r["eval_accuracy"] for r in s["records"]], lw=1.2, label=name,
-                                      color=colors.get(name))
-                    axes[1, col].plot(rnd, [r["eval_loss"] for r in s["records"]], lw=1.2, label=name,
-                                      color=colors.get(name))
+                    axes[0, col].plot(
+                        rnd,
+                        [r["eval_accuracy"] for r in s["records"]],
+                        lw=1.2,
+                        label=name,
+                        color=colors.get(name),
+                    )
+                    axes[1, col].plot(
+                        rnd,
+                        [r["eval_loss"] for r in s["records"]],
+                        lw=1.2,
+                        label=name,
+                        color=colors.get(name),
+                    )
             axes[0, col].set_title(f"Synthetic(1,1), {strag:.0%} stragglers")
             axes[1, col].set_xlabel("round")
             axes[0, col].legend(fontsize=7)

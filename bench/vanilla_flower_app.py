@@ -50,8 +50,12 @@ def train(msg: Message, context: Context) -> Message:
             loss.backward()
             opt.step()
             total, steps = total + float(loss), steps + 1
-    content = RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                          "metrics": MetricRecord({"num-examples": len(y), "train-loss": total / steps})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"num-examples": len(y), "train-loss": total / steps}),
+        }
+    )
     return Message(content, reply_to=msg)
 
 
@@ -71,12 +75,21 @@ def make_server_app(sink: dict) -> ServerApp:
             sink["accuracy"] = acc
             return MetricRecord({"accuracy": acc})
 
-        strategy = FedAvg(fraction_train=PER_ROUND / NUM_CLIENTS, fraction_evaluate=0.0,
-                          min_available_nodes=NUM_CLIENTS, min_train_nodes=PER_ROUND)
+        strategy = FedAvg(
+            fraction_train=PER_ROUND / NUM_CLIENTS,
+            fraction_evaluate=0.0,
+            min_available_nodes=NUM_CLIENTS,
+            min_train_nodes=PER_ROUND,
+        )
         with torch.random.fork_rng():
             torch.manual_seed(SEED)
             init = ArrayRecord(net().state_dict())
-        strategy.start(grid=grid, initial_arrays=init, num_rounds=ROUNDS, train_config=ConfigRecord({}),
-                       evaluate_fn=evaluate_fn)
+        strategy.start(
+            grid=grid,
+            initial_arrays=init,
+            num_rounds=ROUNDS,
+            train_config=ConfigRecord({}),
+            evaluate_fn=evaluate_fn,
+        )
 
     return app

@@ -109,19 +109,35 @@ class _Frozen:
         return (dict, (_to_state_dicts(self.parts),))
 
 
-def train_message(arrays: ArrayRecord, spec: str, version: int, task: int, node_id: int,
-                  extra: dict | None = None) -> Message:
+def train_message(
+    arrays: ArrayRecord, spec: str, version: int, task: int, node_id: int, extra: dict | None = None
+) -> Message:
     """A train instruction carrying the current model, its version, the task index and the strategy's ``extra``."""
-    config = ConfigRecord({keys.RUN_SPEC: spec, keys.MODEL_VERSION: version, keys.SERVER_ROUND: version,
-                           keys.TASK_ID: task, **(extra or {})})
+    config = ConfigRecord(
+        {
+            keys.RUN_SPEC: spec,
+            keys.MODEL_VERSION: version,
+            keys.SERVER_ROUND: version,
+            keys.TASK_ID: task,
+            **(extra or {}),
+        }
+    )
     return Message(RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config}), node_id, MessageType.TRAIN)
 
 
 class AsyncLoop:
     """State and steps of one asynchronous run (see the module docstring)."""
 
-    def __init__(self, grid: Grid, loop: LoopConfig, strategy, state: RunState, spec: str, clock: Heterogeneity,
-                 wall_clock: bool) -> None:
+    def __init__(
+        self,
+        grid: Grid,
+        loop: LoopConfig,
+        strategy,
+        state: RunState,
+        spec: str,
+        clock: Heterogeneity,
+        wall_clock: bool,
+    ) -> None:
         self.grid, self.loop, self.strategy, self.state, self.spec = grid, loop, strategy, state, spec
         self.clock, self.wall_clock = clock, wall_clock
         self.concurrency = int(strategy.concurrency)
@@ -197,7 +213,11 @@ class AsyncLoop:
         """
         end = time.monotonic() + self.loop.round_timeout
         while t.msg_id not in self._replies:
-            wanted = [x.msg_id for _, _, x in self.inflight if x.msg_id is not None and x.msg_id not in self._replies]
+            wanted = [
+                x.msg_id
+                for _, _, x in self.inflight
+                if x.msg_id is not None and x.msg_id not in self._replies
+            ]
             for rep in self.grid.pull_messages([t.msg_id, *(m for m in wanted if m != t.msg_id)]):
                 self._replies[rep.metadata.reply_to_message_id] = rep
             if t.msg_id in self._replies:
@@ -215,7 +235,9 @@ class AsyncLoop:
             if self._early:  # replies pulled together earlier, handled one at a time in arrival order
                 rep = self._early.pop(0)
                 return self._take(by_id[rep.metadata.reply_to_message_id], now), rep
-            self._early = [r for r in self.grid.pull_messages(list(by_id)) if r.metadata.reply_to_message_id in by_id]
+            self._early = [
+                r for r in self.grid.pull_messages(list(by_id)) if r.metadata.reply_to_message_id in by_id
+            ]
             if self._early:
                 continue
             expired = [t for t in by_id.values() if now - t.start > self.loop.round_timeout]
@@ -241,7 +263,9 @@ class AsyncLoop:
             elif t.fate == "late":
                 p.dropped_late += 1
             else:
-                p.failures.append(("timeout", f"no reply from partition {t.pid} in {self.loop.round_timeout:.0f} s"))
+                p.failures.append(
+                    ("timeout", f"no reply from partition {t.pid} in {self.loop.round_timeout:.0f} s")
+                )
             return False
         start = self.models[t.version]
         valid, failures = screen_replies([reply], self.state.arrays)
@@ -255,8 +279,13 @@ class AsyncLoop:
         m = valid[0].content[keys.METRICS]
         p.staleness.append(staleness)
         p.losses.append(float(m.get(keys.TRAIN_LOSS, float("nan"))))
-        new = self.strategy.on_update(self.state.arrays, valid[0].content[keys.ARRAYS], start, staleness,
-                                      int(m.get(keys.NUM_EXAMPLES, 0)))
+        new = self.strategy.on_update(
+            self.state.arrays,
+            valid[0].content[keys.ARRAYS],
+            start,
+            staleness,
+            int(m.get(keys.NUM_EXAMPLES, 0)),
+        )
         if new is None:
             return False
         self.state.arrays = new
@@ -272,17 +301,29 @@ class AsyncLoop:
     def record(self, wall_start: float) -> dict:
         """The metrics.jsonl line of the version just published; resets the pending statistics."""
         p = self.pending
-        rec: dict = {"round": self.state.round, "sim_time": self.state.sim_time, "num_clients": len(p.staleness),
-                     "train_loss": float(np.mean(p.losses)) if p.losses else None,
-                     "staleness_mean": float(np.mean(p.staleness)), "staleness_max": int(max(p.staleness)),
-                     "dropped_stale": p.dropped_stale,
-                     **failure_fields(p.failures, f"version {self.state.round}", "task")}
+        rec: dict = {
+            "round": self.state.round,
+            "sim_time": self.state.sim_time,
+            "num_clients": len(p.staleness),
+            "train_loss": float(np.mean(p.losses)) if p.losses else None,
+            "staleness_mean": float(np.mean(p.staleness)),
+            "staleness_max": int(max(p.staleness)),
+            "dropped_stale": p.dropped_stale,
+            **failure_fields(p.failures, f"version {self.state.round}", "task"),
+        }
         if p.dropped_out:
             rec["dropped_out"] = p.dropped_out
         if p.dropped_late:
             rec["dropped_late"] = p.dropped_late
-        self.totals.update({"updates": len(p.staleness), "dropped_stale": p.dropped_stale,
-                            "failures": len(p.failures), "dropped_out": p.dropped_out, "dropped_late": p.dropped_late})
+        self.totals.update(
+            {
+                "updates": len(p.staleness),
+                "dropped_stale": p.dropped_stale,
+                "failures": len(p.failures),
+                "dropped_out": p.dropped_out,
+                "dropped_late": p.dropped_late,
+            }
+        )
         rec["updates_total"] = self.totals["updates"]
         rec["round_time"] = time.perf_counter() - wall_start
         self.pending = Pending()
@@ -294,8 +335,11 @@ class AsyncLoop:
         return {
             "next_task": self.next_task,
             "inflight": [asdict(t) for _, _, t in sorted(self.inflight, key=lambda e: (e[0], e[1]))],
-            "models": {v: rec for v, rec in self.models.items()
-                       if any(t.version == v and t.fate == "train" for _, _, t in self.inflight)},
+            "models": {
+                v: rec
+                for v, rec in self.models.items()
+                if any(t.version == v and t.fate == "train" for _, _, t in self.inflight)
+            },
             "totals": dict(self.totals),
         }
 
@@ -313,8 +357,9 @@ class AsyncLoop:
             if t.fate == "train":
                 arrays = models[t.version]
                 self.models.setdefault(t.version, arrays)
-                msg = train_message(arrays, self.spec, t.version, t.task, self.node_of[t.pid],
-                                    self._train_config())
+                msg = train_message(
+                    arrays, self.spec, t.version, t.task, self.node_of[t.pid], self._train_config()
+                )
                 t.msg_id = list(self.grid.push_messages([msg]))[0]
             heapq.heappush(self.inflight, (t.finish, t.task, t))
 
@@ -335,7 +380,7 @@ def run_async(
     ``wall_clock``: real arrival order (deployment); default: the strategy's ``wall_clock`` attribute.
     """
     if wall_clock is None:
-        wall_clock = bool(getattr(strategy, "wall_clock", False))
+        wall_clock = strategy.wall_clock
     run = AsyncLoop(grid, loop, strategy, state, spec, clock, wall_clock)
     if state.round == 0 and "async" not in state.extra:
         record_initial(state, evaluate_fn, on_round)

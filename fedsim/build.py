@@ -23,10 +23,20 @@ from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.faults import FaultRates
 from fedsim.models import build_model
+from fedsim.strategies import base
 from fedsim.training import LocalTraining
 
 # Config sections a client needs to rebuild its task; they travel as JSON in every train message.
-CLIENT_SPEC_KEYS = ("seed", "num_clients", "val_fraction", "dataset", "partitioner", "model", "client", "faults")
+CLIENT_SPEC_KEYS = (
+    "seed",
+    "num_clients",
+    "val_fraction",
+    "dataset",
+    "partitioner",
+    "model",
+    "client",
+    "faults",
+)
 
 
 def _parameters(target: str) -> list[str]:
@@ -39,8 +49,11 @@ def _parameters(target: str) -> list[str]:
         sig = inspect.signature(get_object(target))
     except Exception:  # noqa: BLE001  (only for the error message)
         return []
-    return [n for n, p in sig.parameters.items()
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("self", "strategy")]
+    return [
+        n
+        for n, p in sig.parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n not in ("self", "strategy")
+    ]
 
 
 def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
@@ -54,12 +67,18 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
     except InstantiationException as e:
         cause = e.__cause__
         while cause is not None and not isinstance(cause, ConfigError):
-            if isinstance(cause, TypeError) and (m := re.search(r"unexpected keyword argument '(\w+)'", str(cause))):
+            if isinstance(cause, TypeError) and (
+                m := re.search(r"unexpected keyword argument '(\w+)'", str(cause))
+            ):
                 target = str(node.get("_target_", "")) if hasattr(node, "get") else ""
                 params = [p for p in _parameters(target) if p not in kwargs]
-                raise ConfigError(f"{section}.{m.group(1)}", node.get(m.group(1)) if hasattr(node, "get") else None,
-                                  f"a parameter of {target.rsplit('.', 1)[-1] or section}: {', '.join(params)}"
-                                  if params else f"a parameter of {section}") from None
+                raise ConfigError(
+                    f"{section}.{m.group(1)}",
+                    node.get(m.group(1)) if hasattr(node, "get") else None,
+                    f"a parameter of {target.rsplit('.', 1)[-1] or section}: {', '.join(params)}"
+                    if params
+                    else f"a parameter of {section}",
+                ) from None
             cause = cause.__cause__
         if isinstance(cause, ConfigError):
             raise cause.with_prefix(section) from None
@@ -70,8 +89,11 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
 
 def client_spec(cfg: DictConfig, device: str) -> str:
     """The JSON client spec for a composed run config."""
-    spec = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
-            for k in CLIENT_SPEC_KEYS if k in cfg}
+    spec = {
+        k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
+        for k in CLIENT_SPEC_KEYS
+        if k in cfg
+    }
     spec["device"] = device
     spec["threads"] = int(cfg.placement.threads_per_client)
     return json.dumps(spec, sort_keys=True)
@@ -93,8 +115,12 @@ def resolve_device(name: str, key: str = "placement.device") -> str:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if int(name.partition(":")[2] or 0) >= count:
             have = f"{count} CUDA device(s)" if count else "no CUDA device (or a CPU-only torch build)"
-            raise ConfigError(key, name, f"a device this machine has: it has {have}",
-                              "Use placement=cpu, or placement.device=auto to take a GPU when there is one.")
+            raise ConfigError(
+                key,
+                name,
+                f"a device this machine has: it has {have}",
+                "Use placement=cpu, or placement.device=auto to take a GPU when there is one.",
+            )
     return name
 
 
@@ -122,7 +148,9 @@ def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
         raise (e if e.key == "num_clients" else e.with_prefix("partitioner")) from None
     train, val = [], []
     for pid, idx in enumerate(parts):
-        t, v = split_train_val(idx, float(spec["val_fraction"]), np.random.default_rng([int(spec["seed"]), 8, pid]))
+        t, v = split_train_val(
+            idx, float(spec["val_fraction"]), np.random.default_rng([int(spec["seed"]), 8, pid])
+        )
         train.append(t)
         val.append(v)
     return train, val
@@ -195,11 +223,24 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
     t, v = train[partition_id], val[partition_id]
 
     def tensors(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.as_tensor(ds.x_train[idx], device=device), torch.as_tensor(ds.y_train[idx], device=device))
+        return (
+            torch.as_tensor(ds.x_train[idx], device=device),
+            torch.as_tensor(ds.y_train[idx], device=device),
+        )
 
     (xt, yt), (xv, yv) = tensors(t), tensors(v)
-    return ClientTask(partition_id, _MODELS[mkey], xt, yt, xv, yv, local_training(spec), int(spec["seed"]), device,
-                      fault_rates(spec))
+    return ClientTask(
+        partition_id,
+        _MODELS[mkey],
+        xt,
+        yt,
+        xv,
+        yv,
+        local_training(spec),
+        int(spec["seed"]),
+        device,
+        fault_rates(spec),
+    )
 
 
 def build_strategy(cfg: DictConfig, clients_per_round: int):
@@ -207,20 +248,29 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
     # fedsim samples the cohort itself and hands the strategy a view holding only the sampled nodes, so the
     # strategy must send to all of them; federated evaluation uses the same cohort when it is switched on.
     strategy = _instantiate(
-        "strategy", cfg.strategy, fraction_train=1.0, min_train_nodes=1, min_available_nodes=1,
-        fraction_evaluate=1.0 if cfg.get("federated_eval") else 0.0, min_evaluate_nodes=1,
+        "strategy",
+        cfg.strategy,
+        fraction_train=1.0,
+        min_train_nodes=1,
+        min_available_nodes=1,
+        fraction_evaluate=1.0 if cfg.get("federated_eval") else 0.0,
+        min_evaluate_nodes=1,
     )
-    if getattr(strategy, "is_async", False):
+    if base.is_async(strategy):
         _check_async(cfg, strategy)
-    if getattr(strategy, "check_cohort", None):
+    else:
         try:
-            strategy.check_cohort(clients_per_round)
+            base.check_cohort(strategy, clients_per_round)
         except ConfigError as e:  # a strategy knob, or the run's own clients_per_round
             raise (e if e.key == "clients_per_round" else e.with_prefix("strategy")) from None
     if cfg.clipping.get("_target_"):
         strategy = _instantiate(
-            "clipping", cfg.clipping, strategy=strategy, num_clients=int(cfg.num_clients),
-            clients_per_round=clients_per_round, seed=int(cfg.seed),
+            "clipping",
+            cfg.clipping,
+            strategy=strategy,
+            num_clients=int(cfg.num_clients),
+            clients_per_round=clients_per_round,
+            seed=int(cfg.seed),
         )
     return strategy
 
@@ -232,8 +282,11 @@ def _check_async(cfg: DictConfig, strategy) -> None:
     except ConfigError as e:
         raise e.with_prefix("strategy") from None
     if cfg.clipping.get("_target_"):
-        raise ConfigError("clipping", cfg.clipping._target_.rsplit(".", 1)[-1],
-                          "none with an asynchronous strategy (clipping wraps synchronous aggregation)")
+        raise ConfigError(
+            "clipping",
+            cfg.clipping._target_.rsplit(".", 1)[-1],
+            "none with an asynchronous strategy (clipping wraps synchronous aggregation)",
+        )
     if cfg.get("federated_eval"):
         raise ConfigError("federated_eval", True, "false with an asynchronous strategy")
 

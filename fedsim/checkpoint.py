@@ -10,7 +10,6 @@ client)`` rather than from a running generator, so no RNG stream needs saving be
 from __future__ import annotations
 
 import copy
-import pickle
 from pathlib import Path
 
 import torch
@@ -18,14 +17,38 @@ from flwr.app import ArrayRecord
 
 from fedsim.errors import ConfigError
 from fedsim.recorder import atomic_torch_save
+from fedsim.strategies import base
 
-FORMAT = 1
+FORMAT = 2  # 2: strategies live in ``fedsim.strategies`` (format 1 named them ``strategies.*``)
+READABLE = (1, 2)
+
+
+def _upgrade(node):
+    """Format 1 -> 2: ``_target_: strategies.X`` in a checkpointed config becomes ``fedsim.strategies.X``."""
+    if isinstance(node, dict):
+        return {k: _upgrade(v) for k, v in node.items()}
+    if isinstance(node, str) and node.startswith("strategies."):
+        return "fedsim." + node
+    return node
 
 
 # Keys a resumed run may change: how long it runs, what it logs and where it computes, not what it computes.
-FREE_KEYS = ("num_rounds", "resume", "quiet", "checkpoint_every", "eval_every", "target_accuracy", "stop_at_target",
-             "round_timeout", "node_timeout", "engine", "placement", "clipping.max_epsilon",
-             "strategy.default_num_rounds", "strategy.wall_clock")
+FREE_KEYS = (
+    "num_rounds",
+    "resume",
+    "quiet",
+    "checkpoint_every",
+    "eval_every",
+    "target_accuracy",
+    "stop_at_target",
+    "round_timeout",
+    "node_timeout",
+    "engine",
+    "placement",
+    "clipping.max_epsilon",
+    "strategy.default_num_rounds",
+    "strategy.wall_clock",
+)
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -47,14 +70,20 @@ def check_config(ckpt: dict, config: dict, where: str) -> None:
     if saved is None:
         return
     a, b = _flat(saved), _flat(config)
-    free = lambda k: any(k == f or k.startswith(f + ".") for f in FREE_KEYS)  # noqa: E731
+    free = lambda k: any(k == f or k.startswith(f + ".") for f in FREE_KEYS)
     diff = [k for k in sorted(set(a) | set(b)) if not free(k) and a.get(k, "<unset>") != b.get(k, "<unset>")]
     if diff:
-        shown = ", ".join(f"{k} (checkpoint: {a.get(k, '<unset>')!r}, now: {b.get(k, '<unset>')!r})" for k in diff[:4])
+        shown = ", ".join(
+            f"{k} (checkpoint: {a.get(k, '<unset>')!r}, now: {b.get(k, '<unset>')!r})" for k in diff[:4]
+        )
         more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
-        raise ConfigError("resume", where, f"a checkpoint of this experiment, but these keys differ: {shown}{more}",
-                          "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml); only "
-                          "num_rounds, logging, targets, timeouts, engine and placement may change.")
+        raise ConfigError(
+            "resume",
+            where,
+            f"a checkpoint of this experiment, but these keys differ: {shown}{more}",
+            "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml); only "
+            "num_rounds, logging, targets, timeouts, engine and placement may change.",
+        )
 
 
 def _strategy_fields(strategy, frozen: bool = False) -> dict:
@@ -62,24 +91,27 @@ def _strategy_fields(strategy, frozen: bool = False) -> dict:
 
     ``frozen``: a copy of the state dict, which later rounds cannot change in place.
     """
-    if callable(getattr(strategy, "state_dict", None)):
-        sd = strategy.state_dict()
+    sd = base.state_dict(strategy)
+    if sd is not None:
         return {"strategy_state": copy.deepcopy(sd) if frozen else sd, "strategy_pickle": None}
-    return {"strategy_state": None, "strategy_pickle": pickle.dumps(strategy)}
+    return {"strategy_state": None, "strategy_pickle": base.pickle(strategy)}
 
 
 def save(path: Path, state, strategy, records: list[dict], config: dict | None = None) -> None:
     """Write a checkpoint of ``state``, ``strategy`` and the run's resolved ``config`` to ``path`` (temp + rename)."""
-    atomic_torch_save({
-        "format": FORMAT,
-        "round": state.round,
-        "sim_time": state.sim_time,
-        "extra": state.extra,
-        "arrays": state.arrays.to_torch_state_dict(),
-        **_strategy_fields(strategy),
-        "records": records,
-        "config": config,
-    }, Path(path))
+    atomic_torch_save(
+        {
+            "format": FORMAT,
+            "round": state.round,
+            "sim_time": state.sim_time,
+            "extra": state.extra,
+            "arrays": state.arrays.to_torch_state_dict(),
+            **_strategy_fields(strategy),
+            "records": records,
+            "config": config,
+        },
+        Path(path),
+    )
 
 
 def load(path: str | Path) -> dict:
@@ -90,8 +122,17 @@ def load(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError("resume", str(path), "a checkpoint.pt file (or a run folder holding one)")
     ckpt = torch.load(p, weights_only=False)
-    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
-        raise ConfigError("resume", str(path), f"a fedsim checkpoint of format {FORMAT}")
+    if not isinstance(ckpt, dict) or "format" not in ckpt:
+        raise ConfigError("resume", str(path), f"a fedsim checkpoint (format {FORMAT})")
+    if ckpt["format"] not in READABLE:
+        raise ConfigError(
+            "resume",
+            str(path),
+            f"a fedsim checkpoint of format {', '.join(map(str, READABLE))}",
+            f"This file has format {ckpt['format']!r}: it was written by another fedsim version.",
+        )
+    if ckpt["format"] == 1:
+        ckpt["config"] = _upgrade(ckpt.get("config"))
     return ckpt
 
 
@@ -106,7 +147,7 @@ def restore(ckpt: dict, state, strategy):
     if ckpt.get("strategy_state") is not None:
         strategy.load_state_dict(ckpt["strategy_state"])
         return strategy
-    return pickle.loads(ckpt["strategy_pickle"])
+    return base.unpickle(ckpt["strategy_pickle"])
 
 
 def mark(state, strategy, loop_state=None) -> dict:
@@ -119,5 +160,10 @@ def mark(state, strategy, loop_state=None) -> dict:
     extra = copy.deepcopy({k: v for k, v in state.extra.items() if k != "async"})
     if loop_state is not None:
         extra["async"] = loop_state
-    return {"round": state.round, "sim_time": state.sim_time, "arrays": state.arrays, "extra": extra,
-            **_strategy_fields(strategy, frozen=True)}
+    return {
+        "round": state.round,
+        "sim_time": state.sim_time,
+        "arrays": state.arrays,
+        "extra": extra,
+        **_strategy_fields(strategy, frozen=True),
+    }

@@ -12,8 +12,12 @@ import os
 import sys
 from pathlib import Path
 
-for _var, _val in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHECK", "1"),
-                   ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0"), ("HYDRA_FULL_ERROR", "0")):
+for _var, _val in (
+    ("FLWR_TELEMETRY_ENABLED", "0"),
+    ("FLWR_DISABLE_UPDATE_CHECK", "1"),
+    ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0"),
+    ("HYDRA_FULL_ERROR", "0"),
+):
     os.environ.setdefault(_var, _val)
 
 import hydra  # noqa: E402
@@ -111,7 +115,9 @@ def unknown_key(argv: list[str]) -> str | None:
         group, _, value = o.partition("=")
         if group not in groups or "(" in value or "$" in value:
             continue  # Hydra's sweep functions (choice(...), range(...)) and interpolations: left to Hydra
-        options = sorted(f.name.rsplit(".", 1)[0] for f in (conf / group).iterdir() if f.name.endswith(".yaml"))
+        options = sorted(
+            f.name.rsplit(".", 1)[0] for f in (conf / group).iterdir() if f.name.endswith(".yaml")
+        )
         for v in value.split(","):
             if v.strip() not in (*options, "null"):
                 return f"{group}={v.strip()!r} is not allowed: expected one of {', '.join(options)}"
@@ -119,7 +125,7 @@ def unknown_key(argv: list[str]) -> str | None:
     try:
         with initialize_config_module(config_module="fedsim.conf", version_base=None):
             cfg = compose(config_name="config", overrides=picks)
-    except Exception:  # an unknown group option: Hydra's own message lists the options
+    except Exception:  # noqa: BLE001  (an unknown group option: Hydra's own message lists the options)
         return None
     known = _all_keys(cfg)
     for o in overrides:
@@ -128,8 +134,10 @@ def unknown_key(argv: list[str]) -> str | None:
             continue
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
-        return (f"unknown config key '{key}'{hint}; `fedsim --cfg job` prints every key "
-                f"(use +{key}=... to add a new one on purpose)")
+        return (
+            f"unknown config key '{key}'{hint}; `fedsim --cfg job` prints every key "
+            f"(use +{key}=... to add a new one on purpose)"
+        )
     return None
 
 
@@ -141,7 +149,10 @@ def main() -> None:
         sys.exit(EXIT_CONFIG)
     _hydra_main()
     if FAILED_JOBS:
-        print(f"fedsim: {len(FAILED_JOBS)} run(s) of the sweep failed: {', '.join(FAILED_JOBS)}", file=sys.stderr)
+        print(
+            f"fedsim: {len(FAILED_JOBS)} run(s) of the sweep failed: {', '.join(FAILED_JOBS)}",
+            file=sys.stderr,
+        )
         sys.exit(1)
 
 

@@ -59,12 +59,17 @@ def train(msg: Message, context: Context) -> Message:
     _load(task, msg.content[keys.ARRAYS])
     # the draw index: the round in synchronous FL, the task index in the asynchronous loop
     rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
-    gen = torch.Generator().manual_seed(int(np.random.SeedSequence([task.seed, 3, rnd, task.partition_id])
-                                            .generate_state(1)[0]))
+    gen = torch.Generator().manual_seed(
+        int(np.random.SeedSequence([task.seed, 3, rnd, task.partition_id]).generate_state(1)[0])
+    )
     clip = float(cfg[keys.CLIP_NORM]) if keys.CLIP_NORM in cfg else None
     start = {k: v.detach().clone() for k, v in task.model.state_dict().items()} if clip is not None else None
     loss, steps, seen = train_local(
-        task.model, task.x_train, task.y_train, task.local, gen,
+        task.model,
+        task.x_train,
+        task.y_train,
+        task.local,
+        gen,
         proximal_mu=float(cfg.get(keys.PROXIMAL_MU, 0.0)),
         max_steps=int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None,
     )
@@ -110,7 +115,11 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     _load(task, msg.content[keys.ARRAYS])
     loss, acc = evaluate(task.model, task.x_val, task.y_val)
     n = int(task.x_val.shape[0])
-    metrics = {keys.NUM_EXAMPLES: n, keys.EVAL_LOSS: 0.0 if n == 0 else loss, keys.EVAL_ACCURACY: 0.0 if n == 0 else acc}
+    metrics = {
+        keys.NUM_EXAMPLES: n,
+        keys.EVAL_LOSS: 0.0 if n == 0 else loss,
+        keys.EVAL_ACCURACY: 0.0 if n == 0 else acc,
+    }
     return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 

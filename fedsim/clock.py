@@ -44,7 +44,13 @@ def _prob(key: str, val: float) -> float:
 
 
 def draw_speeds(
-    num_clients: int, seed: int, speed: str, low: float, high: float, sigma: float, speeds: Sequence[float] | None
+    num_clients: int,
+    seed: int,
+    speed: str,
+    low: float,
+    high: float,
+    sigma: float,
+    speeds: Sequence[float] | None,
 ) -> np.ndarray:
     """Per-client speeds (work units per simulated second, relative to 1.0), seeded by ``(seed, 11)``."""
     if speed not in SPEED_DISTRIBUTIONS:
@@ -64,7 +70,9 @@ def draw_speeds(
             raise ConfigError("low", low, "a number > 0 (the slowest allowed speed)")
         return np.maximum(rng.exponential(1.0, num_clients), low)
     vals = list(speeds or [])
-    if not vals or any(isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in vals):
+    if not vals or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in vals
+    ):
         raise ConfigError("speeds", vals or speeds, "a non-empty list of finite speeds > 0")
     return np.resize(np.asarray(vals, dtype=float), num_clients)
 
@@ -123,8 +131,10 @@ class Heterogeneity:
         self.network_delay = _nonneg("network_delay", network_delay)
         self.straggler_prob = _prob("straggler_prob", straggler_prob)
         self.dropout_prob = _prob("dropout_prob", dropout_prob)
-        if isinstance(straggler_slowdown, bool) or not isinstance(straggler_slowdown, (int, float)) or not (
-            1.0 <= straggler_slowdown < math.inf
+        if (
+            isinstance(straggler_slowdown, bool)
+            or not isinstance(straggler_slowdown, (int, float))
+            or not (1.0 <= straggler_slowdown < math.inf)
         ):
             raise ConfigError("straggler_slowdown", straggler_slowdown, "a finite number >= 1")
         self.straggler_slowdown = float(straggler_slowdown)

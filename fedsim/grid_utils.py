@@ -14,10 +14,13 @@ from flwr.serverapp import Grid
 from fedsim import keys
 from fedsim.errors import RunError
 
-
 # Flower's error codes for a message or node that went away (ErrorCode.MESSAGE_UNAVAILABLE,
 # REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE): counted as kind "unavailable", not as a client error.
-UNAVAILABLE_CODES = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE, ErrorCode.NODE_UNAVAILABLE)
+UNAVAILABLE_CODES = (
+    ErrorCode.MESSAGE_UNAVAILABLE,
+    ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+    ErrorCode.NODE_UNAVAILABLE,
+)
 
 
 class GridView(Grid):
@@ -26,26 +29,26 @@ class GridView(Grid):
     def __init__(self, grid: Grid) -> None:
         self._grid = grid
 
-    def set_run(self, run):  # noqa: D102
+    def set_run(self, run):
         self._grid.set_run(run)
 
     @property
-    def run(self):  # noqa: D102
+    def run(self):
         return self._grid.run
 
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):  # noqa: D102
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+    def get_node_ids(self) -> Iterable[int]:
         return self._grid.get_node_ids()
 
-    def push_messages(self, messages):  # noqa: D102
+    def push_messages(self, messages):
         return self._grid.push_messages(messages)
 
-    def pull_messages(self, message_ids):  # noqa: D102
+    def pull_messages(self, message_ids):
         return self._grid.pull_messages(message_ids)
 
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+    def send_and_receive(self, messages, *, timeout=None):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
@@ -60,7 +63,7 @@ class SampledGrid(GridView):
         super().__init__(grid)
         self._nodes = list(node_ids)
 
-    def get_node_ids(self) -> Iterable[int]:  # noqa: D102
+    def get_node_ids(self) -> Iterable[int]:
         return list(self._nodes)
 
 
@@ -84,7 +87,8 @@ def discover(grid: Grid, node_ids: list[int], spec: str, timeout: float) -> dict
     for rep in grid.send_and_receive(msgs, timeout=timeout):
         if rep.has_error():
             raise RunError(
-                f"client on node {rep.metadata.src_node_id} failed to start: {first_line(str(rep.error.reason))}")
+                f"client on node {rep.metadata.src_node_id} failed to start: {first_line(str(rep.error.reason))}"
+            )
         m = rep.content[keys.METRICS]
         pid = int(m[keys.PARTITION_ID])
         if pid in found:

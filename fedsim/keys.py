@@ -10,7 +10,7 @@ SERVER_ROUND = "server-round"  # set by Flower strategies
 RUN_SPEC = "fedsim-spec"  # JSON of the resolved run config (task, data, client training)
 MODEL_VERSION = "model-version"  # server model version the client starts from
 PROXIMAL_MU = "proximal-mu"  # set by Flower's FedProx
-CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by strategies.clipping)
+CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by fedsim.strategies.clipping)
 TASK_ID = "task-id"  # async loop: index of this task (seeds local training and injected faults)
 MAX_STEPS = "max-steps"  # at most this many local steps (partial work before a deadline)
 

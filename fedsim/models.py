@@ -45,14 +45,18 @@ def cnn(
     if len(shape) == 2:
         shape = (1, *shape)
     if len(shape) != 3:
-        raise ConfigError("model", "cnn", "image inputs (C, H, W)", f"This data set's inputs have shape {shape}.")
+        raise ConfigError(
+            "model", "cnn", "image inputs (C, H, W)", f"This data set's inputs have shape {shape}."
+        )
     c, h, w = shape
     layers: list[nn.Module] = [nn.Unflatten(1, shape)] if len(input_shape) != 3 else []
     for out in channels:
         layers += [nn.Conv2d(c, int(out), 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
         c, h, w = int(out), h // 2, w // 2
     if h < 1 or w < 1:
-        raise ConfigError("model.channels", list(channels), f"at most {int(math.log2(min(shape[1:])))} blocks")
+        raise ConfigError(
+            "model.channels", list(channels), f"at most {int(math.log2(min(shape[1:])))} blocks"
+        )
     layers += [nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(), nn.Linear(hidden, num_classes)]
     return nn.Sequential(*layers)
 

@@ -60,8 +60,12 @@ def node_partition(node_config: dict, spec_json: str) -> int:
         raise ConfigError(keys.NODE_PARTITION_ID, raw, f"an integer in [0, {n})", how) from None
     parts = node_config.get(keys.NODE_NUM_PARTITIONS)
     if parts is not None and int(parts) != n:
-        raise ConfigError(keys.NODE_NUM_PARTITIONS, parts, f"the run's num_clients={n}",
-                          "Give every SuperNode num-partitions equal to the run's num_clients.")
+        raise ConfigError(
+            keys.NODE_NUM_PARTITIONS,
+            parts,
+            f"the run's num_clients={n}",
+            "Give every SuperNode num-partitions equal to the run's num_clients.",
+        )
     if not 0 <= pid < n:
         raise ConfigError(keys.NODE_PARTITION_ID, pid, f"an integer in [0, num-partitions={n})", how)
     return pid
@@ -71,20 +75,30 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as z:
             if "x" not in z or "y" not in z:
-                raise ConfigError(keys.NODE_DATA_DIR, str(path), f"{path.name} with arrays 'x' and 'y'",
-                                  f"It holds {sorted(z.files)}.")
+                raise ConfigError(
+                    keys.NODE_DATA_DIR,
+                    str(path),
+                    f"{path.name} with arrays 'x' and 'y'",
+                    f"It holds {sorted(z.files)}.",
+                )
             x, y = z["x"], z["y"]
     except ConfigError:
         raise
     except (OSError, ValueError) as e:
         raise ConfigError(keys.NODE_DATA_DIR, str(path), f"a readable .npz file ({FORMAT})", str(e)) from None
     if x.ndim < 2 or y.ndim != 1 or len(x) != len(y):
-        raise ConfigError(keys.NODE_DATA_DIR, str(path), "x of shape (n, ...) and y of shape (n,)",
-                          f"Got x {x.shape}, y {y.shape}.")
+        raise ConfigError(
+            keys.NODE_DATA_DIR,
+            str(path),
+            "x of shape (n, ...) and y of shape (n,)",
+            f"Got x {x.shape}, y {y.shape}.",
+        )
     if not np.issubdtype(y.dtype, np.integer):
         raise ConfigError(keys.NODE_DATA_DIR, str(path), "integer class ids in y", f"Got dtype {y.dtype}.")
     if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
-        raise ConfigError(keys.NODE_DATA_DIR, str(path), "finite numeric features in x", f"Got dtype {x.dtype}.")
+        raise ConfigError(
+            keys.NODE_DATA_DIR, str(path), "finite numeric features in x", f"Got dtype {x.dtype}."
+        )
     return x.astype(np.float32, copy=False), y.astype(np.int64, copy=False)
 
 
@@ -103,8 +117,12 @@ def load_node_data(
     """
     folder = Path(data_dir).expanduser()
     if not folder.is_dir():
-        raise ConfigError(keys.NODE_DATA_DIR, str(data_dir), f"an existing folder: {FORMAT}",
-                          "Fix data-dir in the SuperNode's --node-config.")
+        raise ConfigError(
+            keys.NODE_DATA_DIR,
+            str(data_dir),
+            f"an existing folder: {FORMAT}",
+            "Fix data-dir in the SuperNode's --node-config.",
+        )
     if not (folder / TRAIN_FILE).is_file():
         raise ConfigError(keys.NODE_DATA_DIR, str(data_dir), FORMAT, f"{folder / TRAIN_FILE} does not exist.")
     x, y = _read_npz(folder / TRAIN_FILE)
@@ -113,8 +131,12 @@ def load_node_data(
     if (folder / VAL_FILE).is_file():
         xv, yv = _read_npz(folder / VAL_FILE)
         if xv.shape[1:] != x.shape[1:]:
-            raise ConfigError(keys.NODE_DATA_DIR, str(data_dir), f"{VAL_FILE} features shaped like {TRAIN_FILE}'s",
-                              f"Got {xv.shape[1:]} and {x.shape[1:]}.")
+            raise ConfigError(
+                keys.NODE_DATA_DIR,
+                str(data_dir),
+                f"{VAL_FILE} features shaped like {TRAIN_FILE}'s",
+                f"Got {xv.shape[1:]} and {x.shape[1:]}.",
+            )
         return x, y, xv, yv
     from fedsim.data.partition import split_train_val
 
@@ -122,8 +144,13 @@ def load_node_data(
     return x[t], y[t], x[v], y[v]
 
 
-def save_node_data(data_dir: str | Path, x: np.ndarray, y: np.ndarray,
-                   x_val: np.ndarray | None = None, y_val: np.ndarray | None = None) -> Path:
+def save_node_data(
+    data_dir: str | Path,
+    x: np.ndarray,
+    y: np.ndarray,
+    x_val: np.ndarray | None = None,
+    y_val: np.ndarray | None = None,
+) -> Path:
     """Write a node's folder in the format ``load_node_data`` reads; return the folder."""
     folder = Path(data_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -149,15 +176,25 @@ def node_task(spec_json: str, data_dir: str, partition_id: int) -> build.ClientT
     spec = json.loads(spec_json)
     torch.set_num_threads(max(1, int(spec.get("threads", 1))))
     device = build.resolve_device(spec["device"])
-    x, y, xv, yv = load_node_data(data_dir, float(spec.get("val_fraction", 0.0)), int(spec["seed"]), partition_id)
+    x, y, xv, yv = load_node_data(
+        data_dir, float(spec.get("val_fraction", 0.0)), int(spec["seed"]), partition_id
+    )
     input_shape, num_classes = _model_shape(spec)
     if tuple(x.shape[1:]) != input_shape:
-        raise ConfigError(keys.NODE_DATA_DIR, data_dir, f"features of shape (n, {', '.join(map(str, input_shape))})"
-                          " like the run's data set", f"{TRAIN_FILE} has x of shape {x.shape}.")
+        raise ConfigError(
+            keys.NODE_DATA_DIR,
+            data_dir,
+            f"features of shape (n, {', '.join(map(str, input_shape))}) like the run's data set",
+            f"{TRAIN_FILE} has x of shape {x.shape}.",
+        )
     for name, labels in (("y", y), ("val y", yv)):
         if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
-            raise ConfigError(keys.NODE_DATA_DIR, data_dir, f"class ids in [0, {num_classes}) in {name}",
-                              f"Found {int(labels.min())}..{int(labels.max())}.")
+            raise ConfigError(
+                keys.NODE_DATA_DIR,
+                data_dir,
+                f"class ids in [0, {num_classes}) in {name}",
+                f"Found {int(labels.min())}..{int(labels.max())}.",
+            )
     try:
         model = build_model(build.model_factory(spec), input_shape, num_classes, seed=int(spec["seed"]))
     except ConfigError as e:
@@ -166,5 +203,15 @@ def node_task(spec_json: str, data_dir: str, partition_id: int) -> build.ClientT
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(a, device=device)
 
-    return build.ClientTask(partition_id, model.to(device), t(x), t(y), t(xv), t(yv), build.local_training(spec),
-                            int(spec["seed"]), device, build.fault_rates(spec))
+    return build.ClientTask(
+        partition_id,
+        model.to(device),
+        t(x),
+        t(y),
+        t(xv),
+        t(yv),
+        build.local_training(spec),
+        int(spec["seed"]),
+        device,
+        build.fault_rates(spec),
+    )

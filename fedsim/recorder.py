@@ -39,7 +39,9 @@ def _clean(v: Any) -> Any:
 class Recorder:
     """Collects one record per round (or server model version) and writes the run folder."""
 
-    def __init__(self, out_dir: Path, num_rounds: int, quiet: bool = False, records: list[dict] | None = None):
+    def __init__(
+        self, out_dir: Path, num_rounds: int, quiet: bool = False, records: list[dict] | None = None
+    ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.num_rounds = num_rounds
@@ -83,8 +85,12 @@ class Recorder:
         if r.get("train_loss") is not None:
             parts.append(f"train_loss {r['train_loss']:.4f}")
         parts.append(f"clients {r.get('num_clients', 0)}")
-        for key, fmt in (("failures", "{}"), ("clip_norm", "{:.3g}"), ("epsilon", "{:.3g}"),
-                         ("staleness_mean", "{:.2f}")):
+        for key, fmt in (
+            ("failures", "{}"),
+            ("clip_norm", "{:.3g}"),
+            ("epsilon", "{:.3g}"),
+            ("staleness_mean", "{:.2f}"),
+        ):
             if r.get(key):
                 parts.append(f"{key} " + fmt.format(r[key]))
         if r.get("skipped"):
@@ -112,7 +118,9 @@ class Recorder:
             "sim_time": last.get("sim_time"),
             "wall_time": time.perf_counter() - self.t0,
             "total_failures": sum(int(r.get("failures") or 0) for r in self.records),
-            "final_epsilon": next((r["epsilon"] for r in reversed(self.records) if r.get("epsilon") is not None), None),
+            "final_epsilon": next(
+                (r["epsilon"] for r in reversed(self.records) if r.get("epsilon") is not None), None
+            ),
             **extra,
         }
 
@@ -134,14 +142,21 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
 
     ev = [r for r in records if r.get("eval_accuracy") is not None]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    for row, xkey, xlabel in ((0, "round", "round (server model version)"), (1, "sim_time", "simulated time (s)")):
+    for row, xkey, xlabel in (
+        (0, "round", "round (server model version)"),
+        (1, "sim_time", "simulated time (s)"),
+    ):
         xs = [r.get(xkey, 0.0) for r in ev]
         axes[row, 0].plot(xs, [r["eval_accuracy"] for r in ev], marker=".")
         axes[row, 0].set(xlabel=xlabel, ylabel="eval accuracy")
         axes[row, 1].plot(xs, [r["eval_loss"] for r in ev], marker=".", color="tab:red", label="eval loss")
         tr = [r for r in records if r.get("train_loss") is not None]
-        axes[row, 1].plot([r.get(xkey, 0.0) for r in tr], [r["train_loss"] for r in tr], color="tab:gray",
-                          label="train loss")
+        axes[row, 1].plot(
+            [r.get(xkey, 0.0) for r in tr],
+            [r["train_loss"] for r in tr],
+            color="tab:gray",
+            label="train loss",
+        )
         axes[row, 1].set(xlabel=xlabel, ylabel="loss")
         axes[row, 1].legend()
         for ax in axes[row]:

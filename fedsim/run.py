@@ -18,6 +18,7 @@ from fedsim.engines import LOCAL_ENGINES, local_grid
 from fedsim.errors import ConfigError
 from fedsim.recorder import Recorder, atomic_torch_save
 from fedsim.server import LoopConfig, RunState, run_sync
+from fedsim.strategies import base
 from fedsim.training import evaluate
 from fedsim.validate import clients_per_round, validate
 
@@ -28,8 +29,13 @@ def versions() -> dict:
     """Versions of fedsim and its main dependencies, for summary.json."""
     import flwr
 
-    return {"fedsim": __version__, "flwr": flwr.__version__, "torch": torch.__version__, "numpy": np.__version__,
-            "python": platform.python_version()}
+    return {
+        "fedsim": __version__,
+        "flwr": flwr.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
@@ -49,9 +55,12 @@ def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: s
         avail, _ = torch.cuda.mem_get_info(torch.device(device))
         where = "GPU memory"
     if need > avail:
-        raise ConfigError("clients_per_round", cohort,
-                          f"a cohort that fits: about {need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB {where} free",
-                          "Sample fewer clients per round or use a smaller model.")
+        raise ConfigError(
+            "clients_per_round",
+            cohort,
+            f"a cohort that fits: about {need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB {where} free",
+            "Sample fewer clients per round or use a smaller model.",
+        )
 
 
 def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str):
@@ -66,7 +75,9 @@ def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device:
     return evaluate_fn
 
 
-def write_partition_stats(out_dir: Path, train: list[np.ndarray], labels: np.ndarray, num_classes: int) -> None:
+def write_partition_stats(
+    out_dir: Path, train: list[np.ndarray], labels: np.ndarray, num_classes: int
+) -> None:
     """partitions.json and partitions.png: size and label histogram per client."""
     from fedsim.data.stats import partition_stats, plot_partitions
 
@@ -98,17 +109,25 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     server_device = build.resolve_device(str(cfg.placement.server_device), "placement.server_device")
     evaluate_fn = make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device)
     loop = LoopConfig(
-        seed=int(cfg.seed), num_clients=int(cfg.num_clients), num_rounds=int(cfg.num_rounds), clients_per_round=m,
-        min_replies=int(cfg.min_replies), round_timeout=float(cfg.round_timeout),
-        node_timeout=float(cfg.get("node_timeout", 300)), eval_every=int(cfg.eval_every),
-        federated_eval=bool(cfg.federated_eval), fraction_evaluate=float(cfg.strategy.get("fraction_evaluate", 1.0)),
+        seed=int(cfg.seed),
+        num_clients=int(cfg.num_clients),
+        num_rounds=int(cfg.num_rounds),
+        clients_per_round=m,
+        min_replies=int(cfg.min_replies),
+        round_timeout=float(cfg.round_timeout),
+        node_timeout=float(cfg.get("node_timeout", 300)),
+        eval_every=int(cfg.eval_every),
+        federated_eval=bool(cfg.federated_eval),
+        fraction_evaluate=float(cfg.strategy.get("fraction_evaluate", 1.0)),
     )
     if grid is None and str(cfg.engine.name) == "ray":  # Ray's own checks, before any output is written
         from fedsim.engines import ray as ray_engine
 
         backend = ray_engine.backend_config(
-            cfg.placement.num_cpus_per_client, cfg.placement.num_gpus_per_client,
-            address=cfg.engine.get("address"), num_cpus=cfg.engine.get("num_cpus"),
+            cfg.placement.num_cpus_per_client,
+            cfg.placement.num_gpus_per_client,
+            address=cfg.engine.get("address"),
+            num_cpus=cfg.engine.get("num_cpus"),
             num_gpus=cfg.engine.get("num_gpus"),
         )
         ray_engine.preflight(backend)
@@ -135,10 +154,18 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
         recorder.log(record)
         acc = record.get("eval_accuracy")
         if target is not None and acc is not None and acc >= target and "target_reached" not in st.extra:
-            st.extra["target_reached"] = {"target": target, "round": record["round"], "sim_time": record.get("sim_time"),
-                                          "wall_time": recorder.records[-1]["wall_time"]}
-            log.warning("target accuracy %.4g reached at round %d (simulated time %.1f s)", target,
-                        record["round"], record.get("sim_time", 0.0))
+            st.extra["target_reached"] = {
+                "target": target,
+                "round": record["round"],
+                "sim_time": record.get("sim_time"),
+                "wall_time": recorder.records[-1]["wall_time"],
+            }
+            log.warning(
+                "target accuracy %.4g reached at round %d (simulated time %.1f s)",
+                target,
+                record["round"],
+                record.get("sim_time", 0.0),
+            )
             if stop_at_target:
                 st.extra["stop_reason"] = f"target accuracy {target} reached"
         if every and st.round > 0 and (st.round % every == 0 or st.round == loop.num_rounds):
@@ -147,7 +174,7 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
     deployed = grid is not None
 
     def server_main(grid) -> None:
-        if getattr(strategy, "is_async", False):
+        if base.is_async(strategy):
             from fedsim.async_server import run_async
 
             # deployment: real clients, real arrival order and wall-clock time
@@ -171,7 +198,11 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
             ray_engine.run(int(cfg.num_clients), server_main, backend)
         else:
             raise ConfigError("engine", engine, f"one of {', '.join((*LOCAL_ENGINES, 'ray'))}")
-        if state.extra.get("stop_reason") and recorder.records and recorder.records[-1]["round"] == state.round:
+        if (
+            state.extra.get("stop_reason")
+            and recorder.records
+            and recorder.records[-1]["round"] == state.round
+        ):
             # a stop before num_rounds: the final model is evaluated (eval_every or not) and checkpointed
             if recorder.records[-1].get("eval_accuracy") is None:
                 loss, acc = evaluate_fn(state.arrays)
@@ -183,8 +214,9 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
         if state.rollback is not None:  # back to the end of the last completed round: resume repeats nothing
             strategy = checkpoint.restore(state.rollback, state, strategy)
         log.warning("interrupted: writing a checkpoint and the outputs of the %d rounds done", state.round)
-        checkpoint.save(ckpt_path, state, strategy, [r for r in recorder.records if r["round"] <= state.round],
-                        resolved)
+        checkpoint.save(
+            ckpt_path, state, strategy, [r for r in recorder.records if r["round"] <= state.round], resolved
+        )
     except BaseException:
         status = "failed"
         raise
@@ -196,11 +228,19 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
         if status == "completed" and state.extra.get("stop_reason"):
             status = "stopped"
         reached = state.extra.get("target_reached") or {}
-        summary = recorder.summary({
-            "status": status, "stop_reason": state.extra.get("stop_reason"), "engine": engine, "choices": choices or {},
-            "target_accuracy": target, "target_round": reached.get("round"), "target_sim_time": reached.get("sim_time"),
-            "target_wall_time": reached.get("wall_time"),
-            "config": OmegaConf.to_container(cfg, resolve=True), "versions": versions(),
-        })
+        summary = recorder.summary(
+            {
+                "status": status,
+                "stop_reason": state.extra.get("stop_reason"),
+                "engine": engine,
+                "choices": choices or {},
+                "target_accuracy": target,
+                "target_round": reached.get("round"),
+                "target_sim_time": reached.get("sim_time"),
+                "target_wall_time": reached.get("wall_time"),
+                "config": OmegaConf.to_container(cfg, resolve=True),
+                "versions": versions(),
+            }
+        )
         recorder.write_summary(summary)
     return summary

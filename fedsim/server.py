@@ -53,7 +53,9 @@ class RunState:
     round: int = 0
     sim_time: float = 0.0
     extra: dict = field(default_factory=dict)  # loop-specific state (e.g. the async loop's bookkeeping)
-    rollback: dict | None = None  # checkpoint.mark() after the last completed round: where an interrupt returns
+    rollback: dict | None = (
+        None  # checkpoint.mark() after the last completed round: where an interrupt returns
+    )
 
 
 def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]:
@@ -75,7 +77,9 @@ def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, in
     """Wait for ``loop.num_clients`` nodes; return ``({partition_id: node_id}, {partition_id: train size})``."""
     nodes = wait_for_nodes(grid, loop.num_clients, loop.node_timeout)
     partition_of = getattr(grid, "partition_of", None)
-    if partition_of is not None:  # a local engine knows its nodes: ask one (to surface a broken client), not all
+    if (
+        partition_of is not None
+    ):  # a local engine knows its nodes: ask one (to surface a broken client), not all
         first = discover(grid, nodes[:1], spec, loop.node_timeout)
         train, _ = build_partitions(json.loads(spec))
         found = {partition_of(n): (n, len(train[partition_of(n)])) for n in nodes}
@@ -125,7 +129,9 @@ def plan_round(clock: Heterogeneity, work: Workload, cohort: list[int], rnd: int
             plans.append(Plan(pid, "dropout", duration))
         elif not clock.late(pid, examples, task=rnd):
             plans.append(Plan(pid, "train", duration))
-        elif clock.partial_work and (steps := work.steps_within(pid, clock.partial_examples(pid, examples, rnd))):
+        elif clock.partial_work and (
+            steps := work.steps_within(pid, clock.partial_examples(pid, examples, rnd))
+        ):
             plans.append(Plan(pid, "partial", clock.duration(pid, work.examples(pid, steps), rnd), steps))
         else:
             plans.append(Plan(pid, "late", duration))
@@ -181,15 +187,25 @@ def run_sync(
         valid, failures = screen_replies(replies, state.arrays)
         failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
         valid.sort(key=_pid)
-        record: dict = {"round": rnd, "num_clients": len(valid), **failure_fields(failures, f"round {rnd}", "client")}
+        record: dict = {
+            "round": rnd,
+            "num_clients": len(valid),
+            **failure_fields(failures, f"round {rnd}", "client"),
+        }
         fates = Counter(p.fate for p in plans.values())
-        for fate, field_name in (("dropout", "dropped_out"), ("late", "dropped_late"), ("partial", "partial_work")):
+        for fate, field_name in (
+            ("dropout", "dropped_out"),
+            ("late", "dropped_late"),
+            ("partial", "partial_work"),
+        ):
             if fates[fate]:
                 record[field_name] = fates[fate]
         waited = bool(fates["dropout"] or fates["late"])
         state.sim_time += clock.round_time([plans[p].duration for p in sent], waited=waited)
         if len(valid) < loop.min_replies:
-            log.warning("round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies)
+            log.warning(
+                "round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies
+            )
             record["skipped"] = True
         else:
             try:
@@ -206,9 +222,12 @@ def run_sync(
                 state.arrays = arrays
             record.update(_metric_fields(metrics))
         if loop.federated_eval and not record.get("skipped") and sent:
-            evaluators = SampledGrid(grid, [node_of[p] for p in sample_evaluators(loop.seed, rnd, sent,
-                                                                                 loop.fraction_evaluate)])
-            record.update(_federated_eval(grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout))
+            evaluators = SampledGrid(
+                grid, [node_of[p] for p in sample_evaluators(loop.seed, rnd, sent, loop.fraction_evaluate)]
+            )
+            record.update(
+                _federated_eval(grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout)
+            )
         state.round = rnd
         record["sim_time"] = state.sim_time
         if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
@@ -248,16 +267,24 @@ def _metric_fields(metrics: MetricRecord | None) -> dict:
     if metrics is None:
         return {}
     skip = {keys.PARTITION_ID, keys.NUM_EXAMPLES, keys.NUM_STEPS, keys.EXAMPLES_PROCESSED}
-    return {k.replace("-", "_"): (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()
-            if k not in skip}
+    return {
+        k.replace("-", "_"): (float(v) if isinstance(v, (int, float)) else v)
+        for k, v in metrics.items()
+        if k not in skip
+    }
 
 
 def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
     config = ConfigRecord({keys.RUN_SPEC: spec})
     msgs = list(strategy.configure_evaluate(rnd, arrays, config, view))
     # a client without validation examples has nothing to add (and a cohort of them would divide by zero)
-    replies = [r for r in grid.send_and_receive(msgs, timeout=timeout) if not r.has_error()
-               and keys.METRICS in r.content and r.content[keys.METRICS].get(keys.NUM_EXAMPLES, 0) > 0]
+    replies = [
+        r
+        for r in grid.send_and_receive(msgs, timeout=timeout)
+        if not r.has_error()
+        and keys.METRICS in r.content
+        and r.content[keys.METRICS].get(keys.NUM_EXAMPLES, 0) > 0
+    ]
     agg = strategy.aggregate_evaluate(rnd, replies) if replies else None
     if agg is None:
         return {}

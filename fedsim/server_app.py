@@ -53,8 +53,9 @@ def parse_overrides(text: str) -> list[str]:
     try:
         return shlex.split(str(text))
     except ValueError as e:  # unbalanced quotes
-        raise ConfigError(OVERRIDES, text, "Hydra overrides separated by spaces, with balanced quotes",
-                          f"({e}).") from None
+        raise ConfigError(
+            OVERRIDES, text, "Hydra overrides separated by spaces, with balanced quotes", f"({e})."
+        ) from None
 
 
 def _config_source() -> tuple[str, str]:
@@ -94,13 +95,18 @@ def compose_config(overrides: list[str]) -> tuple[DictConfig, dict]:
 
     kind, where = _config_source()
     GlobalHydra.instance().clear()
-    init = (initialize_config_dir(config_dir=where, version_base=None) if kind == "dir"
-            else initialize_config_module(config_module=where, version_base=None))
+    init = (
+        initialize_config_dir(config_dir=where, version_base=None)
+        if kind == "dir"
+        else initialize_config_module(config_module=where, version_base=None)
+    )
     try:
         with init:
             cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except HydraException as e:
-        raise DeployConfigError(f"fedsim config error in overrides {' '.join(overrides)!r}: {_one_line(e)}") from None
+        raise DeployConfigError(
+            f"fedsim config error in overrides {' '.join(overrides)!r}: {_one_line(e)}"
+        ) from None
     finally:
         GlobalHydra.instance().clear()
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
@@ -132,8 +138,14 @@ class ReplyLog(GridView):
         for r in replies:
             # the SuperLink answers itself for a node it gave up on: name the node the message was sent to
             node = self._dst.pop(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))
-            line: dict = {"time": round(time.monotonic() - self._t0, 3), "type": r.metadata.message_type,
-                          "node_id": node, "partition_id": None, "num_examples": None, "error": None}
+            line: dict = {
+                "time": round(time.monotonic() - self._t0, 3),
+                "type": r.metadata.message_type,
+                "node_id": node,
+                "partition_id": None,
+                "num_examples": None,
+                "error": None,
+            }
             if r.has_error():
                 line["error"] = str(r.error.reason)[:300]
             elif r.has_content() and keys.METRICS in r.content:
@@ -150,16 +162,16 @@ class ReplyLog(GridView):
         if self._file is not None:
             self._file.close()
 
-    def push_messages(self, messages):  # noqa: D102
+    def push_messages(self, messages):
         messages = list(messages)
         ids = list(self._grid.push_messages(messages))
         self._remember(messages)  # the grid sets each message's id as it pushes it
         return ids
 
-    def pull_messages(self, message_ids):  # noqa: D102
+    def pull_messages(self, message_ids):
         return self._record(self._grid.pull_messages(message_ids))
 
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+    def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
         self._remember(messages)
@@ -212,5 +224,10 @@ def main(grid: Grid, context: Context) -> None:
         raise DeployConfigError(f"fedsim config error: {e}") from None
     finally:
         replies.close()
-    log.info("run %s: %s rounds in %.1f s, final accuracy %s", summary.get("status"), summary.get("rounds_done"),
-             summary.get("wall_time", 0.0), summary.get("final_eval_accuracy"))
+    log.info(
+        "run %s: %s rounds in %.1f s, final accuracy %s",
+        summary.get("status"),
+        summary.get("rounds_done"),
+        summary.get("wall_time", 0.0),
+        summary.get("final_eval_accuracy"),
+    )

@@ -10,15 +10,31 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-COLUMNS = ("job", "overrides", "status", "final_eval_accuracy", "best_eval_accuracy", "rounds_done",
-           "sim_time", "wall_time", "target_round", "target_sim_time", "final_epsilon", "error")
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "final_eval_accuracy",
+    "best_eval_accuracy",
+    "rounds_done",
+    "sim_time",
+    "wall_time",
+    "target_round",
+    "target_sim_time",
+    "final_epsilon",
+    "error",
+)
 
 
 def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
     """One row per job folder under ``sweep_dir`` (only the numbers in ``jobs`` when given): its overrides and
     the figures from its summary.json."""
     rows = []
-    folders = [p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit() and (jobs is None or int(p.name) in jobs)]
+    folders = [
+        p
+        for p in sweep_dir.iterdir()
+        if p.is_dir() and p.name.isdigit() and (jobs is None or int(p.name) in jobs)
+    ]
     for job in sorted(folders, key=lambda p: int(p.name)):
         over_file = job / ".hydra" / "overrides.yaml"
         overrides = " ".join(OmegaConf.load(over_file)) if over_file.exists() else ""
@@ -87,15 +103,15 @@ class SweepSummary(Callback):
     def __init__(self) -> None:
         self.jobs: set[int] = set()
 
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.jobs = set()
 
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         num = OmegaConf.select(config, "hydra.job.num")
         if num is not None:
             self.jobs.add(int(num))
 
-    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:  # noqa: D102
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.exists():
             rows = write_summary(sweep_dir, self.jobs or None)

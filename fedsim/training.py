@@ -33,7 +33,10 @@ def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer in ("momentum", "nesterov"):
         return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov",
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.optimizer == "nesterov",
             weight_decay=cfg.weight_decay,
         )
     if cfg.optimizer == "adam":
@@ -134,7 +137,9 @@ def train_local(
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024) -> tuple[float, float]:
+def evaluate(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+) -> tuple[float, float]:
     """Return ``(mean cross-entropy, accuracy)`` of ``model`` on ``(x, y)``."""
     model.eval()
     n = x.shape[0]

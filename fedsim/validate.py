@@ -15,7 +15,6 @@ from fedsim.errors import ConfigError
 from fedsim.training import OPTIMIZERS
 
 
-
 def _int(cfg: DictConfig, key: str, lo: int, hi: int | None = None, what: str = "") -> int:
     val = cfg.get(key) if "." not in key else _dotted(cfg, key)
     ok = isinstance(val, int) and not isinstance(val, bool) and val >= lo and (hi is None or val <= hi)
@@ -25,8 +24,14 @@ def _int(cfg: DictConfig, key: str, lo: int, hi: int | None = None, what: str = 
     return val
 
 
-def _num(cfg: DictConfig, key: str, lo: float, hi: float | None = None, lo_open: bool = False,
-         hi_open: bool = False) -> float:
+def _num(
+    cfg: DictConfig,
+    key: str,
+    lo: float,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
     val = _dotted(cfg, key)
     ok = isinstance(val, (int, float)) and not isinstance(val, bool)
     if ok:

@@ -1,4 +1,4 @@
-"""The wrapper machinery behind ``strategies.clipping``: clip, noise, delegate, account.
+"""The wrapper machinery behind ``fedsim.strategies.clipping``: clip, noise, delegate, account.
 
 DP-FedAvg (McMahan, Ramage, Talwar, Zhang, ICLR 2018, https://arxiv.org/abs/1710.06963) with fixed clipping,
 and adaptive clipping to a target quantile (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021,
@@ -22,7 +22,7 @@ https://arxiv.org/abs/1905.03871). Per round:
    pseudo-gradient, so its state is post-processing of private releases. The DP guarantee is for mean-type
    inner strategies; robust rules get the same noise but their sensitivity is not analysed here.
 4. Reports ``clip-norm`` (used this round), ``clipped-fraction`` (of the valid replies; a diagnostic, not
-   private), ``noise-std`` and, in DP mode, ``epsilon`` after this round (``strategies.accounting``:
+   private), ``noise-std`` and, in DP mode, ``epsilon`` after this round (``fedsim.strategies.accounting``:
    RDP, Poisson sampling with ``q = m / N``). Train metrics are not covered by the guarantee.
 5. ``AdaptiveClipping`` then moves ``C`` toward the ``target_quantile`` of the update norms.
 
@@ -34,7 +34,6 @@ rounds accounted and the inner strategy's state.
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,16 +44,17 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
 from fedsim.errors import ConfigError, StopRun
-from strategies.accounting import RoundAccountant
-from strategies.aggregate import (
+from fedsim.strategies import base
+from fedsim.strategies.accounting import RoundAccountant
+from fedsim.strategies.aggregate import (
     cast_like,
     clip,
     is_float,
     noise_std,
     subtract,
 )
-from strategies.checks import integer, number
-from strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy
+from fedsim.strategies.checks import integer, number
+from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy
 
 log = logging.getLogger("fedsim")
 
@@ -196,7 +196,7 @@ class ClippingWrapper(Strategy):
             scale = len(kept) / m
             rng = self._rng(server_round, UPDATE_NOISE)
             shift = {k: rng.normal(0.0, sigma, np.shape(self.current[k])) for k in floats}
-        weight_key = getattr(self.strategy, "weighted_by_key", keys.NUM_EXAMPLES)
+        weight_key = base.weight_key(self.strategy)
         rebuilt = []
         for msg, arrays, clipped in kept:
             new = {k: np.asarray(self.current[k], np.float64) + scale * clipped[k] + shift[k] for k in floats}
@@ -208,9 +208,8 @@ class ClippingWrapper(Strategy):
             return None, metrics
         if self.dp:
             self.rounds_accounted += 1
-            aggr = getattr(self.strategy, "train_metrics_aggr_fn", None)
-            if callable(aggr):  # the replies' own weights: train_loss means the same with and without noise
-                metrics = aggr([msg.content for msg, _, _ in kept], weight_key)
+            # the replies' own weights: train_loss means the same with and without noise
+            metrics = base.train_metrics(self.strategy, [msg for msg, _, _ in kept], weight_key) or metrics
         report = {
             keys.AGG_CLIP_NORM: c,
             keys.AGG_CLIPPED_FRACTION: 1.0 - float(np.mean(bits)),
@@ -250,13 +249,13 @@ class ClippingWrapper(Strategy):
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Clip norm, rounds accounted, seed and the inner strategy's state (its ``state_dict`` or a pickle)."""
-        inner = self.strategy.state_dict() if callable(getattr(self.strategy, "state_dict", None)) else None
+        inner = base.state_dict(self.strategy)
         return {
             "clip_norm": self.clip_norm,
             "rounds_accounted": self.rounds_accounted,
             "seed": self.seed,
             "inner_state": inner,
-            "inner_pickle": None if inner is not None else pickle.dumps(self.strategy),
+            "inner_pickle": None if inner is not None else base.pickle(self.strategy),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -266,4 +265,4 @@ class ClippingWrapper(Strategy):
         if state.get("inner_state") is not None:
             self.strategy.load_state_dict(state["inner_state"])
         elif state.get("inner_pickle") is not None:
-            self.strategy = pickle.loads(state["inner_pickle"])
+            self.strategy = base.unpickle(state["inner_pickle"])

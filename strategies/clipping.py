@@ -4,7 +4,7 @@
 ``AdaptiveClipping`` adapts the clip norm to a quantile of the update norms (Andrew, Thakkar, McMahan,
 Ramaswamy, NeurIPS 2021, https://arxiv.org/abs/1905.03871). The round-by-round pipeline (clip, fixed
 denominator, shared noise, accounting, ``StopRun`` at ``max_epsilon``, checkpoints) is in
-``strategies.clip_wrapper``.
+``fedsim.strategies.clip_wrapper``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.errors import ConfigError
-from strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
-from strategies.checks import number
-from strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
+from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
+from fedsim.strategies.checks import number
+from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
 
 
 class FixedClipping(ClippingWrapper):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from strategies.aggregate import adagrad_second_moment
-from strategies.fedopt import FedOpt
+from fedsim.strategies.aggregate import adagrad_second_moment
+from fedsim.strategies.fedopt import FedOpt
 
 
 class FedAdagrad(FedOpt):

@@ -8,18 +8,15 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from fedsim import keys
-from fedsim.errors import ConfigError
-from strategies.aggregate import cast_like, is_float
-from strategies.checks import integer, number
-from strategies.records import to_numpy, to_record
-from strategies.staleness import staleness_fn
-
-# Keyword arguments fedsim's composition root passes to every strategy; an async strategy has no use for them.
-FLOWER_KWARGS = ("fraction_train", "fraction_evaluate", "min_train_nodes", "min_evaluate_nodes", "min_available_nodes")
+from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.strategies.async_base import AsyncStrategy
+from fedsim.strategies.checks import number
+from fedsim.strategies.records import to_numpy, to_record
 
 
-def mix(x: Mapping[str, np.ndarray], x_client: Mapping[str, np.ndarray], alpha: float) -> dict[str, np.ndarray]:
+def mix(
+    x: Mapping[str, np.ndarray], x_client: Mapping[str, np.ndarray], alpha: float
+) -> dict[str, np.ndarray]:
     """``x + alpha (x_client - x)`` = ``(1 - alpha) x + alpha x_client`` on float arrays (float64).
 
     Integer arrays (e.g. BatchNorm step counters) are taken from the client.
@@ -32,49 +29,6 @@ def mix(x: Mapping[str, np.ndarray], x_client: Mapping[str, np.ndarray], alpha: 
         else:
             out[k] = np.asarray(x_client[k])
     return out
-
-
-def async_knobs(concurrency: Any, max_staleness: Any, flower_kwargs: Mapping[str, Any]) -> tuple[int, int | None]:
-    """Validate what every async strategy has: ``concurrency >= 1``, ``max_staleness`` None or ``>= 0``."""
-    unknown = sorted(set(flower_kwargs) - set(FLOWER_KWARGS))
-    if unknown:
-        raise ConfigError(unknown[0], flower_kwargs[unknown[0]],
-                          "a parameter of this asynchronous strategy (the keys in its conf/strategy YAML)")
-    if concurrency is None:
-        raise ConfigError("concurrency", None, "an integer >= 1",
-                          "Set strategy.concurrency (it defaults to clients_per_round, which is null here).")
-    c = integer("concurrency", concurrency, 1)
-    s = None if max_staleness is None else integer("max_staleness", max_staleness, 0)
-    return c, s
-
-
-class AsyncStrategy:
-    """What every asynchronous strategy has: staleness weights, ``concurrency``, ``max_staleness``, ``wall_clock``.
-
-    Subclasses validate their own parameters, call ``super().__init__`` and implement ``on_update``,
-    ``state_dict`` and ``load_state_dict``.
-    """
-
-    is_async = True
-
-    def __init__(self, staleness: str, staleness_a: float, staleness_b: float, concurrency: int | None,
-                 max_staleness: int | None, wall_clock: bool, flower_kwargs: dict[str, Any],
-                 proximal_mu: float = 0.0) -> None:
-        self.staleness = staleness
-        self.weight = staleness_fn(staleness, staleness_a, staleness_b)
-        self.concurrency, self.max_staleness = async_knobs(concurrency, max_staleness, flower_kwargs)
-        self.wall_clock = bool(wall_clock)
-        self.proximal_mu = number("proximal_mu", proximal_mu, 0.0)
-
-    def train_config(self) -> dict[str, float]:
-        """Entries for every train message's config: ``proximal-mu`` when the client's proximal term is on."""
-        return {keys.PROXIMAL_MU: self.proximal_mu} if self.proximal_mu > 0 else {}
-
-    def check_population(self, num_clients: int) -> None:
-        """Raise ``ConfigError`` (key ``concurrency``) if more clients should be busy than the population holds."""
-        if self.concurrency > num_clients:
-            raise ConfigError("concurrency", self.concurrency, f"an integer in [1, num_clients={num_clients}]",
-                              "At most one task is in flight per client.")
 
 
 class FedAsync(AsyncStrategy):
@@ -95,9 +49,13 @@ class FedAsync(AsyncStrategy):
     alpha : float
         Mixing weight in (0, 1]; the paper and implementations use 0.6 (Plato 0.9).
     staleness : str
-        ``constant``, ``polynomial`` ((1+s)^-a) or ``hinge`` (1 if s <= b else 1/(a(s-b)+1)).
-    staleness_a, staleness_b : float
-        Parameters ``a`` and ``b`` of the staleness function.
+        ``constant``, ``polynomial`` ((1+s)^-a) or ``hinge`` (1 if s <= b else 1/(a_h(s-b)+1)).
+    staleness_a : float
+        The polynomial's exponent ``a`` (0.5).
+    staleness_b : float
+        The hinge's knee ``b`` (4).
+    hinge_a : float
+        The hinge's slope ``a_h``; 10 as in Xie et al. 2019.
     concurrency : int
         Clients kept busy at once (>= 1, at most the population).
     max_staleness : int or None
@@ -119,6 +77,7 @@ class FedAsync(AsyncStrategy):
         staleness: str = "polynomial",
         staleness_a: float = 0.5,
         staleness_b: float = 4.0,
+        hinge_a: float = 10.0,
         concurrency: int | None = 10,
         max_staleness: int | None = None,
         wall_clock: bool = False,
@@ -128,8 +87,17 @@ class FedAsync(AsyncStrategy):
     ) -> None:
         del default_num_rounds  # read by the config (the run's num_rounds default), not by the strategy
         self.alpha = number("alpha", alpha, 0.0, 1.0, lo_open=True)
-        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs,
-                         proximal_mu)
+        super().__init__(
+            staleness,
+            staleness_a,
+            staleness_b,
+            concurrency,
+            max_staleness,
+            wall_clock,
+            flower_kwargs,
+            proximal_mu,
+            hinge_a=hinge_a,
+        )
         self.updates = 0  # updates mixed in so far
 
     def mixing_weight(self, staleness: int) -> float:

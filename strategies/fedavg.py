@@ -9,8 +9,8 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from strategies.aggregate import cast_like, weighted_mean
-from strategies.records import reply_arrays, reply_metrics, to_record
+from fedsim.strategies.aggregate import cast_like, weighted_mean
+from fedsim.strategies.records import reply_arrays, reply_metrics, to_record
 
 log = logging.getLogger("fedsim")
 

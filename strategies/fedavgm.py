@@ -9,10 +9,10 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from strategies.aggregate import is_float, momentum_step
-from strategies.checks import number
-from strategies.fedavg import FedAvg
-from strategies.records import to_numpy
+from fedsim.strategies.aggregate import is_float, momentum_step
+from fedsim.strategies.checks import number
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.records import to_numpy
 
 
 class FedAvgM(FedAvg):

@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
-from strategies.aggregate import cast_like, is_float
-from strategies.checks import integer, number
-from strategies.fedasync import AsyncStrategy
-from strategies.records import to_numpy, to_record
+from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.strategies.async_base import AsyncStrategy
+from fedsim.strategies.checks import integer, number
+from fedsim.strategies.records import to_numpy, to_record
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -50,8 +50,8 @@ class FedBuff(AsyncStrategy):
         Server learning rate eta_g (> 0); 1.0 makes a step the plain mean of the buffered deltas.
     server_momentum : float
         Server momentum beta in [0, 1); FLSim's example uses 0.9 with lr 0.7.
-    staleness, staleness_a, staleness_b
-        Staleness weighting (see ``strategies.staleness``); default ``polynomial`` with ``a = 0.5``.
+    staleness, staleness_a, staleness_b, hinge_a
+        Staleness weighting (see ``fedsim.strategies.staleness``); default ``polynomial`` with ``a = 0.5``.
     concurrency : int
         Clients kept busy at once (>= 1, at most the population).
     max_staleness : int or None
@@ -72,6 +72,7 @@ class FedBuff(AsyncStrategy):
         staleness: str = "polynomial",
         staleness_a: float = 0.5,
         staleness_b: float = 4.0,
+        hinge_a: float = 10.0,
         concurrency: int | None = 10,
         max_staleness: int | None = None,
         wall_clock: bool = False,
@@ -81,8 +82,17 @@ class FedBuff(AsyncStrategy):
         self.buffer_size = integer("buffer_size", buffer_size, 1)
         self.server_lr = number("server_lr", server_lr, 0.0, lo_open=True)
         self.server_momentum = number("server_momentum", server_momentum, 0.0, 1.0, hi_open=True)
-        super().__init__(staleness, staleness_a, staleness_b, concurrency, max_staleness, wall_clock, flower_kwargs,
-                         proximal_mu)
+        super().__init__(
+            staleness,
+            staleness_a,
+            staleness_b,
+            concurrency,
+            max_staleness,
+            wall_clock,
+            flower_kwargs,
+            proximal_mu,
+            hinge_a=hinge_a,
+        )
         self.buffer: dict[str, np.ndarray] | None = None  # sum of weighted deltas (float64)
         self.count = 0  # updates in the buffer
         self.others: dict[str, np.ndarray] = {}  # non-float arrays of the latest buffered update
@@ -110,8 +120,13 @@ class FedBuff(AsyncStrategy):
 
     def state_dict(self) -> dict:
         """Buffer, its count, the non-float arrays, the momentum and the step count (for checkpoints)."""
-        return {"buffer": self.buffer, "count": self.count, "others": self.others, "velocity": self.velocity,
-                "steps": self.steps}
+        return {
+            "buffer": self.buffer,
+            "count": self.count,
+            "others": self.others,
+            "velocity": self.velocity,
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what ``state_dict`` returned."""

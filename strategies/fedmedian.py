@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from strategies.aggregate import coordinate_median
-from strategies.fedavg import FedAvg
+from fedsim.strategies.aggregate import coordinate_median
+from fedsim.strategies.fedavg import FedAvg
 
 
 class FedMedian(FedAvg):

@@ -9,8 +9,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from fedsim import keys
-from strategies.checks import number
-from strategies.fedavg import FedAvg
+from fedsim.strategies.checks import number
+from fedsim.strategies.fedavg import FedAvg
 
 
 class FedProx(FedAvg):

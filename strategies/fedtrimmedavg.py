@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from strategies.aggregate import trimmed_mean
-from strategies.checks import integer, number
-from strategies.fedavg import FedAvg
+from fedsim.strategies.aggregate import trimmed_mean
+from fedsim.strategies.checks import integer, number
+from fedsim.strategies.fedavg import FedAvg
 
 log = logging.getLogger("fedsim")
 

@@ -9,10 +9,10 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from fedsim.errors import ConfigError
-from strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
-from strategies.checks import integer
-from strategies.fedavg import FedAvg
-from strategies.records import to_record
+from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
+from fedsim.strategies.checks import integer
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.records import to_record
 
 
 class Krum(FedAvg):

@@ -6,7 +6,11 @@ the version its update meets. Three forms (Xie et al. 2019, FedAsync; FedBuff us
 
 * ``constant``:   s(t) = 1
 * ``polynomial``: s(t) = (1 + t) ** -a
-* ``hinge``:      s(t) = 1 if t <= b else 1 / (a (t - b) + 1)
+* ``hinge``:      s(t) = 1 if t <= b else 1 / (a_h (t - b) + 1)
+
+The polynomial's exponent ``a`` (``staleness_a``, default 0.5) and the hinge's slope ``a_h`` (``hinge_a``,
+default 10 as in Xie et al. 2019) are separate parameters: at staleness 6 with ``b = 4`` the paper's hinge
+weighs an update 1/21, not the 1/2 that the polynomial's 0.5 would give.
 """
 
 from __future__ import annotations
@@ -42,19 +46,26 @@ def hinge(staleness: int, a: float = 10.0, b: float = 4.0) -> float:
     return 1.0 if staleness <= b else float(1.0 / (a * (staleness - b) + 1.0))
 
 
-def staleness_fn(kind: str, a: float = 0.5, b: float = 4.0) -> Callable[[int], float]:
+def staleness_fn(
+    kind: str, a: float = 0.5, b: float = 4.0, hinge_a: float | None = None
+) -> Callable[[int], float]:
     """The weight function ``kind`` with its parameters bound; ``ConfigError`` names a bad one.
 
-    Keys in errors are the strategies' YAML keys: ``staleness``, ``staleness_a``, ``staleness_b``.
+    ``a`` is the polynomial's exponent, ``hinge_a`` the hinge's slope (None: 10, the paper's), ``b`` the
+    hinge's knee. Keys in errors are the strategies' YAML keys: ``staleness``, ``staleness_a``, ``hinge_a``,
+    ``staleness_b``.
     """
     if kind not in KINDS:
         raise ConfigError("staleness", kind, f"one of {', '.join(KINDS)}")
     if kind == "constant":
         return constant
-    if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf"):
-        raise ConfigError("staleness_a", a, "a finite number >= 0")
     if kind == "polynomial":
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf"):
+            raise ConfigError("staleness_a", a, "a finite number >= 0")
         return partial(polynomial, a=float(a))
     if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < float("inf"):
         raise ConfigError("staleness_b", b, "a finite number >= 0 (staleness up to b counts fully)")
-    return partial(hinge, a=float(a), b=float(b))
+    hinge_a = 10.0 if hinge_a is None else hinge_a
+    if isinstance(hinge_a, bool) or not isinstance(hinge_a, (int, float)) or not 0 <= hinge_a < float("inf"):
+        raise ConfigError("hinge_a", hinge_a, "a finite number >= 0")
+    return partial(hinge, a=float(hinge_a), b=float(b))

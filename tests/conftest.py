@@ -6,8 +6,12 @@ import json
 import os
 from pathlib import Path
 
-for _var, _val in (("FLWR_TELEMETRY_ENABLED", "0"), ("FLWR_DISABLE_UPDATE_CHECK", "1"),
-                   ("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1"), ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")):
+for _var, _val in (
+    ("FLWR_TELEMETRY_ENABLED", "0"),
+    ("FLWR_DISABLE_UPDATE_CHECK", "1"),
+    ("FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "1"),
+    ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0"),
+):
     os.environ.setdefault(_var, _val)
 
 import pytest  # noqa: E402

@@ -1,11 +1,11 @@
-"""Hand-computed checks of the pure math in strategies.aggregate."""
+"""Hand-computed checks of the pure math in fedsim.strategies.aggregate."""
 
 import math
 
 import numpy as np
 import pytest
 
-from strategies import aggregate as agg
+from fedsim.strategies import aggregate as agg
 
 
 def _a(*xs):

@@ -11,8 +11,11 @@ GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir() and not p.name.star
 OPTIONS = [(g, y.stem) for g in GROUPS for y in sorted((CONF / g).glob("*.yaml"))]
 
 # Options that need more than this machine has, with what they need; they are composed but not run.
-NEEDS = {("placement", "gpu"): "a CUDA GPU", ("placement", "gpu_shared"): "a CUDA GPU",
-         ("engine", "ray"): "Ray start-up (run in test_engines.py)"}
+NEEDS = {
+    ("placement", "gpu"): "a CUDA GPU",
+    ("placement", "gpu_shared"): "a CUDA GPU",
+    ("engine", "ray"): "Ray start-up (run in test_engines.py)",
+}
 
 
 def _write_idx(path: Path, arr: np.ndarray) -> None:
@@ -38,7 +41,10 @@ def _fake_files(group: str, option: str, tmp_path: Path) -> list[str]:
         d = tmp_path / "cifar-10-batches-py"
         d.mkdir()
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            batch = {"data": rng.integers(0, 256, (20, 3072), dtype=np.uint8), "labels": list(np.arange(20) % 10)}
+            batch = {
+                "data": rng.integers(0, 256, (20, 3072), dtype=np.uint8),
+                "labels": list(np.arange(20) % 10),
+            }
             (d / name).write_bytes(pickle.dumps(batch))
         return [f"dataset.root={tmp_path}"]
     return []

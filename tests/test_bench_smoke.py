@@ -48,8 +48,18 @@ def test_default_bench_prints_its_table():
 
 
 def test_async_vs_sync_bench_runs_the_sweep_and_prints_its_table(tmp_path):
-    out = _run(str(BENCH / "async_vs_sync.py"), "--sweep-dir", str(tmp_path / "sweep"), "--seeds", "0",
-               "--out", str(tmp_path / "plot.png"), "num_rounds=2", "num_clients=12", "clients_per_round=4")
+    out = _run(
+        str(BENCH / "async_vs_sync.py"),
+        "--sweep-dir",
+        str(tmp_path / "sweep"),
+        "--seeds",
+        "0",
+        "--out",
+        str(tmp_path / "plot.png"),
+        "num_rounds=2",
+        "num_clients=12",
+        "clients_per_round=4",
+    )
     lines = [ln.split() for ln in out.splitlines()]
     strategies = [p[0] for p in lines if len(p) == 4 and p[1] == "0"]
     assert strategies == ["fedavg", "fedasync", "fedbuff"]

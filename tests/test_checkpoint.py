@@ -128,7 +128,9 @@ def test_ctrl_c_anywhere_in_a_round_resumes_bit_identical(tmp_path, monkeypatch,
     ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
     assert ckpt["round"] == done and [r["round"] for r in ckpt["records"]] == list(range(done + 1))
     run_tiny(tmp_path / "resumed", *over, f"resume={tmp_path / 'part'}")
-    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(read_metrics(tmp_path / "full"))
+    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
+        read_metrics(tmp_path / "full")
+    )
     assert _same_models(tmp_path / "resumed", tmp_path / "full")
 
 
@@ -136,8 +138,13 @@ def test_ctrl_c_in_an_async_run_resumes_bit_identical(tmp_path, monkeypatch):
     """FedBuff interrupted while clients train (tasks in flight, updates buffered): nothing is lost or repeated."""
     from fedsim.async_server import AsyncLoop
 
-    over = ["strategy=fedbuff", "strategy.buffer_size=2", "heterogeneity=lognormal", "num_rounds=6",
-            "checkpoint_every=0"]
+    over = [
+        "strategy=fedbuff",
+        "strategy.buffer_size=2",
+        "heterogeneity=lognormal",
+        "num_rounds=6",
+        "checkpoint_every=0",
+    ]
     run_tiny(tmp_path / "full", *over)
     with monkeypatch.context() as m:
         _interrupt_at(m, AsyncLoop, "wait_for", 7)
@@ -145,12 +152,16 @@ def test_ctrl_c_in_an_async_run_resumes_bit_identical(tmp_path, monkeypatch):
     ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
     assert 1 <= ckpt["round"] < 6 and ckpt["extra"]["async"]["inflight"]
     run_tiny(tmp_path / "resumed", *over, f"resume={tmp_path / 'part'}")
-    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(read_metrics(tmp_path / "full"))
+    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
+        read_metrics(tmp_path / "full")
+    )
     assert _same_models(tmp_path / "resumed", tmp_path / "full")
 
 
 def test_resume_does_not_inherit_the_stop_or_a_target_reached_for_another_target(tmp_path):
-    first = run_tiny(tmp_path / "a", "num_rounds=6", "target_accuracy=0.3", "stop_at_target=true", "checkpoint_every=1")
+    first = run_tiny(
+        tmp_path / "a", "num_rounds=6", "target_accuracy=0.3", "stop_at_target=true", "checkpoint_every=1"
+    )
     assert first["status"] == "stopped" and first["target_round"] is not None and first["rounds_done"] < 6
     resumed = run_tiny(tmp_path / "b", "num_rounds=6", "checkpoint_every=1", f"resume={tmp_path / 'a'}")
     assert resumed["status"] == "completed" and resumed["rounds_done"] == 6
@@ -163,21 +174,39 @@ def test_resume_with_another_experiment_is_a_config_error(tmp_path):
     from fedsim.errors import ConfigError
 
     run_tiny(tmp_path / "a", "num_rounds=2", "strategy=fedbuff", "checkpoint_every=1")
-    with pytest.raises(ConfigError, match=r"^resume=.*strategy\._target_ \(checkpoint: 'strategies\.fedbuff\.FedBuff'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^resume=.*strategy\._target_ \(checkpoint: 'fedsim\.strategies\.fedbuff\.FedBuff'",
+    ):
         run_tiny(tmp_path / "b", "num_rounds=4", f"resume={tmp_path / 'a'}")
     with pytest.raises(ConfigError, match=r"client\.lr \(checkpoint: 0\.1, now: 0\.3\)"):
-        run_tiny(tmp_path / "c", "num_rounds=4", "strategy=fedbuff", "client.lr=0.3", f"resume={tmp_path / 'a'}")
+        run_tiny(
+            tmp_path / "c", "num_rounds=4", "strategy=fedbuff", "client.lr=0.3", f"resume={tmp_path / 'a'}"
+        )
     assert not (tmp_path / "b" / "metrics.jsonl").exists()
     # how long, where and how loudly it runs may change
-    ok = run_tiny(tmp_path / "d", "num_rounds=3", "strategy=fedbuff", "engine=vectorized", "eval_every=2",
-                  f"resume={tmp_path / 'a'}")
+    ok = run_tiny(
+        tmp_path / "d",
+        "num_rounds=3",
+        "strategy=fedbuff",
+        "engine=vectorized",
+        "eval_every=2",
+        f"resume={tmp_path / 'a'}",
+    )
     assert ok["rounds_done"] == 3
 
 
 def test_a_stopped_run_evaluates_and_checkpoints_its_final_model(tmp_path):
     """An epsilon budget stops the run between evaluations: the last round is evaluated and checkpointed anyway."""
-    s = run_tiny(tmp_path, "num_rounds=30", "eval_every=4", "checkpoint_every=4", "clipping=fixed",
-                 "clipping.noise_multiplier=1.0", "clipping.max_epsilon=10")
+    s = run_tiny(
+        tmp_path,
+        "num_rounds=30",
+        "eval_every=4",
+        "checkpoint_every=4",
+        "clipping=fixed",
+        "clipping.noise_multiplier=1.0",
+        "clipping.max_epsilon=10",
+    )
     recs = read_metrics(tmp_path)
     assert s["status"] == "stopped" and s["rounds_done"] % 4 != 0  # not a round eval_every would evaluate
     assert recs[-1]["eval_accuracy"] is not None and s["final_eval_accuracy"] == recs[-1]["eval_accuracy"]

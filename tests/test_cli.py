@@ -17,8 +17,9 @@ ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK":
 
 
 def fedsim(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "fedsim", *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "fedsim", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300
+    )
 
 
 BAD = [
@@ -51,7 +52,9 @@ def test_bad_values_raise_config_error_naming_the_key(tmp_path, overrides, needl
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
-@pytest.mark.parametrize("override", ["placement=gpu", "placement.server_device=cuda:0", "placement.device=cuda:x"])
+@pytest.mark.parametrize(
+    "override", ["placement=gpu", "placement.server_device=cuda:0", "placement.device=cuda:x"]
+)
 def test_a_cuda_device_this_machine_lacks_is_a_config_error(tmp_path, override):
     key = override.split("=")[0] if "." in override.split("=")[0] else "placement.device"
     with pytest.raises(ConfigError, match=f"^{key}="):
@@ -76,21 +79,34 @@ def test_cli_unknown_option_is_refused(tmp_path):
     assert res.returncode == 2 and "partitioner='dirichet' is not allowed" in res.stderr
     assert not (tmp_path / "multirun").exists()
     res = fedsim("num_clientz=3", cwd=tmp_path)
-    assert res.returncode == 2 and "unknown config key 'num_clientz' (did you mean 'num_clients'?)" in res.stderr
+    assert (
+        res.returncode == 2 and "unknown config key 'num_clientz' (did you mean 'num_clients'?)" in res.stderr
+    )
     res = fedsim("client.lrr=0.1", cwd=tmp_path)
     assert res.returncode == 2 and "did you mean 'client.lr'?" in res.stderr
 
 
 def test_cli_multirun_writes_sweep_summary_and_survives_a_failing_job(tmp_path):
-    res = fedsim("-m", "num_clients=6", "num_rounds=2", "clients_per_round=2,3,7", "seed=0,1", "quiet=true",
-                 "hydra.sweep.dir=sweep", cwd=tmp_path)
+    res = fedsim(
+        "-m",
+        "num_clients=6",
+        "num_rounds=2",
+        "clients_per_round=2,3,7",
+        "seed=0,1",
+        "quiet=true",
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+    )
     assert res.returncode == 1  # some jobs failed: non-zero, but after every job ran
     assert "2 run(s) of the sweep failed" in res.stderr
     with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 6
     assert {r["overrides"] for r in rows} == {
-        f"num_clients=6 num_rounds=2 clients_per_round={m} seed={s} quiet=True" for m in (2, 3, 7) for s in (0, 1)}
+        f"num_clients=6 num_rounds=2 clients_per_round={m} seed={s} quiet=True"
+        for m in (2, 3, 7)
+        for s in (0, 1)
+    }
     for r in rows:
         if "clients_per_round=7" in r["overrides"]:
             assert r["status"] == "failed" and "clients_per_round=7" in r["error"]
@@ -100,18 +116,35 @@ def test_cli_multirun_writes_sweep_summary_and_survives_a_failing_job(tmp_path):
 
     # the same sweep folder again, with two jobs: only they are summarised, and job 0 (completed before)
     # now fails without the earlier job's figures standing in for its own
-    res = fedsim("-m", "num_clients=6", "num_rounds=1", "clients_per_round=7,2", "quiet=true",
-                 "hydra.sweep.dir=sweep", cwd=tmp_path)
+    res = fedsim(
+        "-m",
+        "num_clients=6",
+        "num_rounds=1",
+        "clients_per_round=7,2",
+        "quiet=true",
+        "hydra.sweep.dir=sweep",
+        cwd=tmp_path,
+    )
     assert res.returncode == 1 and "sweep summary of 2 runs" in res.stdout
     with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["job"], r["status"], r["rounds_done"]) for r in rows] == [("0", "failed", ""), ("1", "completed", "1")]
+    assert [(r["job"], r["status"], r["rounds_done"]) for r in rows] == [
+        ("0", "failed", ""),
+        ("1", "completed", "1"),
+    ]
     assert rows[0]["final_eval_accuracy"] == "" and "clients_per_round=7" in rows[0]["error"]
 
 
 def test_cli_run_that_cannot_go_on_prints_one_line_and_keeps_its_outputs(tmp_path):
-    res = fedsim("strategy=fedasync", "heterogeneity=lognormal", "heterogeneity.dropout_prob=1.0", "num_rounds=2",
-                 "quiet=true", "hydra.run.dir=run", cwd=tmp_path)
+    res = fedsim(
+        "strategy=fedasync",
+        "heterogeneity=lognormal",
+        "heterogeneity.dropout_prob=1.0",
+        "num_rounds=2",
+        "quiet=true",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+    )
     assert res.returncode == 1 and "Traceback" not in res.stderr
     failed = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: run failed:")]
     assert len(failed) == 1 and "dropped out" in failed[0]

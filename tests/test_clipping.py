@@ -11,12 +11,12 @@ from strategy_helpers import configure, flower_kwargs, make_replies, make_reply,
 
 from fedsim import keys
 from fedsim.errors import ConfigError, StopRun
-from strategies.accounting import RoundAccountant
-from strategies.aggregate import l2_norm, subtract
-from strategies.clipping import AdaptiveClipping, FixedClipping
-from strategies.fedavg import FedAvg
-from strategies.fedavgm import FedAvgM
-from strategies.fedmedian import FedMedian
+from fedsim.strategies.accounting import RoundAccountant
+from fedsim.strategies.aggregate import l2_norm, subtract
+from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.fedavgm import FedAvgM
+from fedsim.strategies.fedmedian import FedMedian
 
 KW = flower_kwargs()
 G = {"w": np.full((3, 4), 0.5, np.float32), "b": np.zeros(4, np.float32), "n": np.array(7, np.int64)}

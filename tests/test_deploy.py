@@ -33,7 +33,7 @@ from fedsim.deploy import (
 )
 from fedsim.deploy.launch import running
 from fedsim.node_data import save_node_data
-from fedsim.server_app import DeployConfigError, compose_config, experiment_from
+from fedsim.server_app import DeployConfigError, experiment_from
 
 APP = Path(__file__).resolve().parents[1]  # the Flower App folder (pyproject.toml with [tool.flwr.app])
 N = 3
@@ -41,11 +41,14 @@ N = 3
 TINY = ["dataset=synthetic", f"num_clients={N}", f"clients_per_round={N}", "quiet=true", "checkpoint_every=0"]
 NODE2_TRAIN, NODE2_VAL = 23, 5  # node 2 trains on its own folder of this many examples
 
-needs_flower = pytest.mark.skipif(shutil.which("flower-superlink") is None or shutil.which("flwr") is None,
-                                  reason="Flower's deployment executables are not on PATH")
+needs_flower = pytest.mark.skipif(
+    shutil.which("flower-superlink") is None or shutil.which("flwr") is None,
+    reason="Flower's deployment executables are not on PATH",
+)
 
 
 # ---- packaging: run_config overrides mean what the fedsim command line means ----------------------------
+
 
 def test_overrides_compose_the_same_config_as_the_command_line():
     overrides = ["strategy=fedbuff", "num_rounds=5", "client.lr=0.05"]
@@ -64,9 +67,22 @@ def test_reply_log_names_the_node_a_superlink_error_reply_stands_for(tmp_path):
     from fedsim.server_app import ReplyLog
 
     def message(src: int, dst: int, reply_to: str = "", content=None, error=None) -> Message:
-        meta = Metadata(run_id=1, message_id="", src_node_id=src, dst_node_id=dst, reply_to_message_id=reply_to,
-                        group_id="1", message_type="train", created_at=time.time(), ttl=60)
-        return Message(metadata=meta, error=error) if error is not None else Message(metadata=meta, content=content)
+        meta = Metadata(
+            run_id=1,
+            message_id="",
+            src_node_id=src,
+            dst_node_id=dst,
+            reply_to_message_id=reply_to,
+            group_id="1",
+            message_type="train",
+            created_at=time.time(),
+            ttl=60,
+        )
+        return (
+            Message(metadata=meta, error=error)
+            if error is not None
+            else Message(metadata=meta, content=content)
+        )
 
     class FakeGrid:
         def __init__(self):
@@ -81,8 +97,10 @@ def test_reply_log_names_the_node_a_superlink_error_reply_stands_for(tmp_path):
         def pull_messages(self, ids):
             a, b = self.sent
             ok = RecordDict({keys.METRICS: MetricRecord({keys.PARTITION_ID: 4, keys.NUM_EXAMPLES: 17})})
-            return [message(11, 0, a.metadata.message_id, content=ok),
-                    message(1, 1, b.metadata.message_id, error=Error(code=3, reason="node unavailable"))]
+            return [
+                message(11, 0, a.metadata.message_id, content=ok),
+                message(1, 1, b.metadata.message_id, error=Error(code=3, reason="node unavailable")),
+            ]
 
     grid = FakeGrid()
     log = ReplyLog(grid, tmp_path / "replies.jsonl")
@@ -90,7 +108,10 @@ def test_reply_log_names_the_node_a_superlink_error_reply_stands_for(tmp_path):
     log.pull_messages(ids)
     log.close()
     lines = [json.loads(x) for x in (tmp_path / "replies.jsonl").read_text().splitlines()]
-    assert [(x["node_id"], x["partition_id"], x["num_examples"]) for x in lines] == [(11, 4, 17), (22, None, None)]
+    assert [(x["node_id"], x["partition_id"], x["num_examples"]) for x in lines] == [
+        (11, 4, 17),
+        (22, None, None),
+    ]
     assert lines[0]["error"] is None and lines[1]["error"] == "node unavailable"
 
 
@@ -99,11 +120,14 @@ def test_out_dir_from_run_config(tmp_path):
     assert experiment_from({"overrides": ""})[2].name.startswith("deploy-")
 
 
-@pytest.mark.parametrize("overrides, match", [
-    ("num_clientz=3", "unknown config key 'num_clientz' (did you mean 'num_clients'?)"),
-    ("strategy=nope", "strategy='nope' is not allowed: expected one of "),
-    ("num_rounds='3", "balanced quotes"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ("num_clientz=3", "unknown config key 'num_clientz' (did you mean 'num_clients'?)"),
+        ("strategy=nope", "strategy='nope' is not allowed: expected one of "),
+        ("num_rounds='3", "balanced quotes"),
+    ],
+)
 def test_bad_overrides_are_one_clear_line(overrides, match):
     with pytest.raises(DeployConfigError) as err:
         experiment_from({"overrides": overrides})
@@ -119,6 +143,7 @@ def test_pyproject_declares_the_flower_app():
 
 
 # ---- commands and certificates -------------------------------------------------------------------------
+
 
 @needs_flower
 def test_commands_use_flags_the_installed_flower_has(tmp_path):
@@ -149,12 +174,15 @@ def test_certs_chain_and_node_keys(tmp_path):
     assert "superlink.example.org" in san.get_values_for_type(x509.DNSName)
     assert {str(a) for a in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "::1"}
     pub = (out / "supernode1.pub").read_text()
-    assert pub.startswith("ecdsa-sha2-nistp384 ") and load_ssh_public_key(pub.encode()).curve.name == "secp384r1"
+    assert (
+        pub.startswith("ecdsa-sha2-nistp384 ") and load_ssh_public_key(pub.encode()).curve.name == "secp384r1"
+    )
     assert (out / "supernode1").stat().st_mode & 0o077 == 0  # private keys readable by the owner only
     assert not (out / "supernode2").exists()
 
 
 # ---- bad input: one clear error each, nothing hangs ----------------------------------------------------
+
 
 def test_superlink_that_does_not_answer_fails_fast():
     t0 = time.monotonic()
@@ -180,7 +208,9 @@ def test_missing_certificates_are_named(tmp_path):
 
 def test_bad_node_settings_are_refused_before_starting(tmp_path):
     dead = f"127.0.0.1:{free_port()}"
-    with pytest.raises(DeployError, match=r"partition-id=3 is not allowed: expected an integer in \[0, num-partitions=3\)"):
+    with pytest.raises(
+        DeployError, match=r"partition-id=3 is not allowed: expected an integer in \[0, num-partitions=3\)"
+    ):
         check_node(dead, 3, 3, None, None, None, wait=1)
     with pytest.raises(DeployError, match="partition-id=-1"):
         check_node(dead, -1, 3, None, None, None, wait=1)
@@ -195,12 +225,28 @@ def test_bad_node_settings_are_refused_before_starting(tmp_path):
 def test_supernode_subcommand_exits_with_the_error(tmp_path, capsys):
     from fedsim.deploy.__main__ import main
 
-    assert main(["supernode", "--superlink", "127.0.0.1:9", "--insecure", "--partition-id", "0",
-                 "--num-partitions", "2", "--data-dir", str(tmp_path / "missing")]) == 2
+    assert (
+        main(
+            [
+                "supernode",
+                "--superlink",
+                "127.0.0.1:9",
+                "--insecure",
+                "--partition-id",
+                "0",
+                "--num-partitions",
+                "2",
+                "--data-dir",
+                str(tmp_path / "missing"),
+            ]
+        )
+        == 2
+    )
     assert "no such folder" in capsys.readouterr().err
 
 
 # ---- the federation ------------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory):
@@ -209,7 +255,9 @@ def fed(tmp_path_factory):
     certs = make_certs(root / "certs", nodes=N)
     ds = build.build_dataset(json.loads(build.client_spec(compose_cfg(*TINY), device="cpu")))
     n, v = NODE2_TRAIN, NODE2_VAL
-    save_node_data(root / "node2-data", ds.x_train[:n], ds.y_train[:n], ds.x_train[n:n + v], ds.y_train[n:n + v])
+    save_node_data(
+        root / "node2-data", ds.x_train[:n], ds.y_train[:n], ds.x_train[n : n + v], ds.y_train[n : n + v]
+    )
     f = Federation(root / "work", Security(tls=True, auth=True, certs=certs), cwd=root, echo=lambda _: None)
     f.root = root
     try:
@@ -269,11 +317,13 @@ def _expected_examples(overrides: list[str]) -> dict[int, int]:
     """Training examples per partition: the partitioner's share for nodes 0 and 1, node 2's own folder."""
     spec = json.loads(build.client_spec(compose_cfg(*overrides), device="cpu"))
     shares = build.build_partitions(spec)[0]
-    assert NODE2_TRAIN != len(shares[2])  # otherwise the data-dir check would prove nothing
+    assert len(shares[2]) != NODE2_TRAIN  # otherwise the data-dir check would prove nothing
     return {0: len(shares[0]), 1: len(shares[1]), 2: NODE2_TRAIN}
 
 
-def _check_replies(fed: Federation, out: Path, overrides: list[str], lost_node: int | None = None) -> list[dict]:
+def _check_replies(
+    fed: Federation, out: Path, overrides: list[str], lost_node: int | None = None
+) -> list[dict]:
     """Every reply came from the node whose registered key belongs to its partition, with that partition's data.
 
     Returns the train replies without errors. Only ``lost_node`` may have error replies (the SuperLink's own
@@ -333,7 +383,9 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     assert records[3]["failure_kinds"] in ({"timeout": 1}, {"unavailable": 1})
     assert records[2]["eval_loss"] < records[0]["eval_loss"]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["engine"] == "deployment" and summary["rounds_done"] == 3
+    assert (
+        summary["status"] == "completed" and summary["engine"] == "deployment" and summary["rounds_done"] == 3
+    )
 
     train = _check_replies(fed, out, overrides, lost_node=fed.node_ids[2])
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]

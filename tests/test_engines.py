@@ -27,8 +27,13 @@ def test_ray_engine_matches_inprocess(tmp_path):
 @pytest.mark.slow
 def test_async_loop_gives_identical_metrics_on_ray_and_inprocess(tmp_path):
     # the discrete-event loop handles tasks in simulated-time order, whatever order Ray computes them in
-    over = ["strategy=fedbuff", "strategy.buffer_size=2", "heterogeneity=lognormal", "num_rounds=4",
-            "placement.num_cpus_per_client=1"]
+    over = [
+        "strategy=fedbuff",
+        "strategy.buffer_size=2",
+        "heterogeneity=lognormal",
+        "num_rounds=4",
+        "placement.num_cpus_per_client=1",
+    ]
     run_tiny(tmp_path / "inproc", *over)
     run_tiny(tmp_path / "ray", "engine=ray", *over)
     a, b = read_metrics(tmp_path / "inproc"), read_metrics(tmp_path / "ray")

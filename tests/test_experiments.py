@@ -97,8 +97,17 @@ def test_experiment_runs_with_its_settings(name, tmp_path):
     # every value the experiment sets (outside the defaults list) is in effect unless the test overrode it
     own = OmegaConf.to_container(OmegaConf.load(EXPERIMENTS / f"{name}.yaml"), resolve=False)
     own.pop("defaults", None)
-    overridden = {o.split("=", 1)[0] for o in ["num_clients", "clients_per_round", "num_rounds", "quiet",
-                                              *_data_overrides(name, tmp_path), *SMALL.get(name, [])]}
+    overridden = {
+        o.split("=", 1)[0]
+        for o in [
+            "num_clients",
+            "clients_per_round",
+            "num_rounds",
+            "quiet",
+            *_data_overrides(name, tmp_path),
+            *SMALL.get(name, []),
+        ]
+    }
     checked = 0
     for key, value in _leaves(own):
         if key in overridden or (isinstance(value, str) and "${" in value):
@@ -123,8 +132,16 @@ def test_fedavg_shards_give_two_classes_and_record_target(tmp_path):
     from fedsim.run import run_experiment
 
     root = _fake_idx(tmp_path / "idx")
-    cfg = compose_cfg("experiment=fedavg_mnist", f"dataset.root={root}", "num_clients=5", "clients_per_round=2",
-                      "partitioner=shards", "client=fedsgd", "target_accuracy=0.01", "quiet=true")
+    cfg = compose_cfg(
+        "experiment=fedavg_mnist",
+        f"dataset.root={root}",
+        "num_clients=5",
+        "clients_per_round=2",
+        "partitioner=shards",
+        "client=fedsgd",
+        "target_accuracy=0.01",
+        "quiet=true",
+    )
     summary = run_experiment(cfg, tmp_path / "run")
     parts = json.loads((tmp_path / "run" / "partitions.json").read_text())
     assert [sum(1 for c in counts if c) for counts in parts["label_counts"]] == [2] * 5
@@ -141,8 +158,14 @@ def test_fedprox_stragglers_cannot_finish(tmp_path):
     # (at the experiment's E = 20 a straggler gets through 800 examples, fewer than any client's 20 epochs)
     dropped = _fates(tmp_path / "a", "heterogeneity.straggler_prob=1.0", small=False)
     assert all(r.get("dropped_late") == 3 and r.get("skipped") for r in dropped)
-    kept = _fates(tmp_path / "b", "heterogeneity.straggler_prob=1.0", "heterogeneity.partial_work=true",
-                  "strategy=fedprox", "strategy.proximal_mu=1.0", small=False)
+    kept = _fates(
+        tmp_path / "b",
+        "heterogeneity.straggler_prob=1.0",
+        "heterogeneity.partial_work=true",
+        "strategy=fedprox",
+        "strategy.proximal_mu=1.0",
+        small=False,
+    )
     assert all(r.get("partial_work") == 3 and r["num_clients"] == 3 for r in kept)
     # without stragglers every client finishes its full E epochs before the deadline
     full = _fates(tmp_path / "c")

@@ -35,8 +35,15 @@ def test_every_fault_kind_is_dropped_and_counted(tmp_path, caplog):
 
 
 def test_round_below_quorum_is_skipped_and_run_goes_on(tmp_path):
-    summary = run_tiny(tmp_path, "num_clients=10", "clients_per_round=10", "num_rounds=3", "min_replies=10",
-                       "faults=mixed", "faults.error=0.3")
+    summary = run_tiny(
+        tmp_path,
+        "num_clients=10",
+        "clients_per_round=10",
+        "num_rounds=3",
+        "min_replies=10",
+        "faults=mixed",
+        "faults.error=0.3",
+    )
     recs = read_metrics(tmp_path)
     skipped = [r for r in recs[1:] if r.get("skipped")]
     assert skipped and summary["rounds_done"] == 3
@@ -45,8 +52,9 @@ def test_round_below_quorum_is_skipped_and_run_goes_on(tmp_path):
     assert recs[first]["eval_accuracy"] == recs[first - 1]["eval_accuracy"]
 
 
-@pytest.mark.parametrize("over, key", [(["faults.error=1.5"], "faults.error"),
-                                       (["faults.error=0.6", "faults.nan=0.6"], "faults")])
+@pytest.mark.parametrize(
+    "over, key", [(["faults.error=1.5"], "faults.error"), (["faults.error=0.6", "faults.nan=0.6"], "faults")]
+)
 def test_bad_fault_rates_are_config_errors(tmp_path, over, key):
     with pytest.raises(ConfigError, match=key):
         run_tiny(tmp_path, "faults=mixed", *over)
@@ -74,13 +82,16 @@ def test_error_replies_are_classified_by_flower_error_code():
     from fedsim.grid_utils import screen_replies
 
     with server_identity():
+
         def reply(code, reason):
             msg = Message(RecordDict(), 1, MessageType.TRAIN)
             msg.metadata.__dict__["_message_id"] = f"m{code}"
             return Message(Error(code=code, reason=reason), reply_to=msg)
 
-        replies = [reply(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"),
-                   reply(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "<class 'RuntimeError'>:<'boom'>"),
-                   reply(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "<class 'fedsim.faults.SimulatedTimeout'>:<'late'>")]
+        replies = [
+            reply(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable"),
+            reply(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "<class 'RuntimeError'>:<'boom'>"),
+            reply(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, "<class 'fedsim.faults.SimulatedTimeout'>:<'late'>"),
+        ]
         valid, failures = screen_replies(replies, ArrayRecord([np.zeros(2, np.float32)]))
     assert valid == [] and [k for k, _ in failures] == ["unavailable", "error", "timeout"]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import compose_cfg
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from strategy_helpers import server_identity
 
 from fedsim import build, keys
 from fedsim.errors import ConfigError
 from fedsim.node_data import load_node_data, node_partition, node_task, save_node_data
-from strategy_helpers import server_identity
 
 SPEC_OVERRIDES = ("num_clients=3", "clients_per_round=3", "num_rounds=1", "quiet=true")
 
@@ -60,12 +60,15 @@ def test_missing_train_file_names_it(tmp_path):
         load_node_data(tmp_path)
 
 
-@pytest.mark.parametrize("arrays, match", [
-    ({"x": np.zeros((3, 2))}, "arrays 'x' and 'y'"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(4, dtype=int)}, r"shape \(n,\)"),
-    ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "integer class ids"),
-    ({"x": np.full((3, 2), np.nan), "y": np.zeros(3, dtype=int)}, "finite numeric"),
-])
+@pytest.mark.parametrize(
+    "arrays, match",
+    [
+        ({"x": np.zeros((3, 2))}, "arrays 'x' and 'y'"),
+        ({"x": np.zeros((3, 2)), "y": np.zeros(4, dtype=int)}, r"shape \(n,\)"),
+        ({"x": np.zeros((3, 2)), "y": np.zeros(3)}, "integer class ids"),
+        ({"x": np.full((3, 2), np.nan), "y": np.zeros(3, dtype=int)}, "finite numeric"),
+    ],
+)
 def test_bad_arrays(tmp_path, arrays, match):
     np.savez(tmp_path / "train.npz", **arrays)
     with pytest.raises(ConfigError, match=match):
@@ -75,7 +78,9 @@ def test_bad_arrays(tmp_path, arrays, match):
 def test_node_partition(spec):
     assert node_partition({"partition-id": 2, "num-partitions": 3}, spec) == 2
     assert node_partition({"partition-id": 0}, spec) == 0
-    with pytest.raises(ConfigError, match=r"partition-id=5 is not allowed: expected an integer in \[0, num-partitions=3\)"):
+    with pytest.raises(
+        ConfigError, match=r"partition-id=5 is not allowed: expected an integer in \[0, num-partitions=3\)"
+    ):
         node_partition({"partition-id": 5, "num-partitions": 3}, spec)
     with pytest.raises(ConfigError, match="partition-id=-1"):
         node_partition({"partition-id": -1, "num-partitions": 3}, spec)
@@ -108,7 +113,9 @@ def _check_client_app(spec: str, ctx: Context) -> None:
     from fedsim import client_app
 
     q = client_app.query(_message(spec, MessageType.QUERY), ctx)
-    assert q.content[keys.METRICS][keys.PARTITION_ID] == 1 and q.content[keys.METRICS][keys.NUM_EXAMPLES] == 40
+    assert (
+        q.content[keys.METRICS][keys.PARTITION_ID] == 1 and q.content[keys.METRICS][keys.NUM_EXAMPLES] == 40
+    )
     model = build.build_initial_model(json.loads(spec))
     rep = client_app.train(_message(spec, MessageType.TRAIN, ArrayRecord(model.state_dict())), ctx)
     m = rep.content[keys.METRICS]
@@ -127,10 +134,13 @@ def test_data_dir_must_match_the_model(tmp_path, spec):
         node_task(spec, str(tmp_path / "b"), 0)
 
 
-@pytest.mark.parametrize("node_config, match", [
-    ({"partition-id": 5}, "partition-id=5 is not allowed"),
-    ({"data-dir": "/nonexistent/fedsim-node"}, "data-dir='/nonexistent/fedsim-node' is not allowed"),
-])
+@pytest.mark.parametrize(
+    "node_config, match",
+    [
+        ({"partition-id": 5}, "partition-id=5 is not allowed"),
+        ({"data-dir": "/nonexistent/fedsim-node"}, "data-dir='/nonexistent/fedsim-node' is not allowed"),
+    ],
+)
 def test_bad_node_is_an_error_reply_the_server_reports(spec, node_config, match):
     """The ClientApp's error becomes an error reply; node discovery stops at once, its first line says why."""
     from fedsim.engines.pool import PoolGrid

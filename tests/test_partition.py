@@ -186,7 +186,7 @@ def test_natural_maps_groups_exactly():
     parts = P.natural(LABELS, 20, np.random.default_rng(0), groups=GROUPS)
     ids = np.unique(GROUPS)
     for j, p in enumerate(parts):
-        np.testing.assert_array_equal(p, np.flatnonzero(GROUPS == ids[j]))
+        np.testing.assert_array_equal(p, np.flatnonzero(ids[j] == GROUPS))
 
 
 def test_natural_merge_round_robin():
@@ -303,8 +303,14 @@ def test_flwr_datasets_adapter(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="^name='ShardPartitioner' .*flwr-datasets says"):
         P.flwr_datasets(LABELS, 10, np.random.default_rng(0), name="ShardPartitioner")
     with pytest.raises(ConfigError, match="^name='DirichletPartitioner' .*flwr-datasets says"):
-        P.flwr_datasets(LABELS, 10, np.random.default_rng(0), name="DirichletPartitioner", alpha=0.01,
-                        min_partition_size=len(LABELS) // 10)
+        P.flwr_datasets(
+            LABELS,
+            10,
+            np.random.default_rng(0),
+            name="DirichletPartitioner",
+            alpha=0.01,
+            min_partition_size=len(LABELS) // 10,
+        )
 
 
 @pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)

@@ -7,13 +7,12 @@ import os
 import pytest
 import torch
 from conftest import compose_cfg, read_metrics, run_tiny, without_wall_time
-from flwr.app import ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim import build, keys
 from fedsim.client_app import app as fedsim_app
 from fedsim.engines import pool
-from fedsim.engines.inprocess import InProcessGrid
 from fedsim.errors import ConfigError
 from fedsim.grid_utils import discover
 
@@ -70,11 +69,17 @@ def test_workers_leave_ctrl_c_to_the_server(started):
     import time
 
     def round_trip(grid) -> list:  # spec-less queries go to the workers (their replies are errors; fine)
-        return list(grid.send_and_receive([Message(RecordDict({}), n, MessageType.QUERY) for n in grid.get_node_ids()]))
+        return list(
+            grid.send_and_receive(
+                [Message(RecordDict({}), n, MessageType.QUERY) for n in grid.get_node_ids()]
+            )
+        )
 
     with pool.PoolGrid(4, workers=2) as grid:
         assert len(round_trip(grid)) == 4  # both workers up and serving
-        assert all(os.getpgid(pid) != os.getpgid(0) for pid in grid.worker_pids)  # a terminal's Ctrl-C misses them
+        assert all(
+            os.getpgid(pid) != os.getpgid(0) for pid in grid.worker_pids
+        )  # a terminal's Ctrl-C misses them
         for pid in grid.worker_pids:
             os.kill(pid, signal.SIGINT)
         time.sleep(0.5)
@@ -111,7 +116,20 @@ def test_crash_and_exception_become_error_replies(started):
 def test_discovery_answers_match_the_client_app():
     spec = build.client_spec(compose_cfg("num_clients=6"), "cpu")
     ids = list(range(1, 7))
-    assert discover(pool.PoolGrid(6), ids, spec, 10) == discover(InProcessGrid(fedsim_app, 6), ids, spec, 10)
+    found = discover(pool.PoolGrid(6), ids, spec, 10)
+    direct = {}  # the ClientApp called by hand, one Context per node, as a SuperNode would
+    for nid in ids:
+        ctx = Context(
+            run_id=1,
+            node_id=nid,
+            node_config={keys.NODE_PARTITION_ID: nid - 1},
+            state=RecordDict(),
+            run_config={},
+        )
+        msg = Message(RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec})}), nid, MessageType.QUERY)
+        metrics = fedsim_app(msg, ctx).content[keys.METRICS]
+        direct[int(metrics[keys.PARTITION_ID])] = (nid, int(metrics[keys.NUM_EXAMPLES]))
+    assert found == direct
 
 
 def test_query_fast_path_still_reports_a_broken_client_stack():

@@ -6,6 +6,7 @@ the pids it spawned), never with ``ray stop``, which would stop every Ray proces
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -38,8 +39,17 @@ def ray_head():
     port = free_port()
     temp = Path(tempfile.mkdtemp(prefix="fsray"))  # short: Ray's socket paths must stay under 108 bytes
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
-    cmd = ["ray", "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-           "--disable-usage-stats", f"--temp-dir={temp}", "--block"]
+    cmd = [
+        "ray",
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        f"--temp-dir={temp}",
+        "--block",
+    ]
     log = open(temp / "head.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     seen: set[int] = {proc.pid}
@@ -53,10 +63,8 @@ def ray_head():
     finally:
         seen.update(descendants(proc.pid))
         os.killpg(proc.pid, signal.SIGTERM)  # `ray start --block` stops what it started on SIGTERM
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
         left = terminate(sorted(p for p in seen if running(p)), timeout=20)
         proc.wait(timeout=10)
         log.close()
@@ -82,6 +90,8 @@ def test_simulation_joins_the_ray_cluster(tmp_path, ray_head):
 
 def test_address_that_does_not_answer_is_a_config_error(tmp_path):
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match=r"engine.address='127.0.0.1:\d+' is not allowed: .*ray start --head"):
+    with pytest.raises(
+        ConfigError, match=r"engine.address='127.0.0.1:\d+' is not allowed: .*ray start --head"
+    ):
         run_tiny(tmp_path, "engine=ray", f"engine.address=127.0.0.1:{free_port()}")
     assert time.monotonic() - t0 < 30

@@ -8,15 +8,21 @@ import torch
 from conftest import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim import keys
-from fedsim.client_app import app as client_app
-from fedsim.engines.inprocess import InProcessGrid
+from fedsim.engines.pool import PoolGrid
 from fedsim.errors import ConfigError
 from fedsim.server import sample_cohort
 
 
 def test_run_folder_has_every_output(tmp_path):
     summary = run_tiny(tmp_path)
-    for name in ("metrics.jsonl", "summary.json", "model.pt", "curves.png", "partitions.json", "partitions.png"):
+    for name in (
+        "metrics.jsonl",
+        "summary.json",
+        "model.pt",
+        "curves.png",
+        "partitions.json",
+        "partitions.png",
+    ):
         assert (tmp_path / name).stat().st_size > 0, name
     recs = read_metrics(tmp_path)
     assert [r["round"] for r in recs] == [0, 1, 2]
@@ -86,10 +92,10 @@ def test_failing_client_is_dropped_and_counted(tmp_path, monkeypatch):
     assert sizes  # partition stats were written before training
 
 
-def test_inprocess_grid_turns_exceptions_into_error_replies():
+def test_local_grid_turns_exceptions_into_error_replies():
     from flwr.app import ConfigRecord, Message, RecordDict
 
-    grid = InProcessGrid(client_app, 2)
+    grid = PoolGrid(2)
     msg = Message(RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: "not json"})}), 1, "query")
     [reply] = grid.send_and_receive([msg])
     assert reply.has_error() and "JSONDecodeError" in reply.error.reason
@@ -102,8 +108,16 @@ def test_fedsgd_round_equals_centralised_gradient_step(tmp_path):
 
     from fedsim import build
 
-    over = ["num_clients=5", "clients_per_round=5", "num_rounds=1", "client=fedsgd", "client.lr=0.5",
-            "val_fraction=0.0", "model=logreg", "quiet=true"]
+    over = [
+        "num_clients=5",
+        "clients_per_round=5",
+        "num_rounds=1",
+        "client=fedsgd",
+        "client.lr=0.5",
+        "val_fraction=0.0",
+        "model=logreg",
+        "quiet=true",
+    ]
     from fedsim.run import run_experiment
 
     cfg = compose_cfg(*over)
@@ -151,9 +165,14 @@ def test_federated_evaluation_fraction_is_honoured(tmp_path, monkeypatch):
 
     asked = []
     real = server._federated_eval
-    monkeypatch.setattr(server, "_federated_eval",
-                        lambda grid, strategy, rnd, arrays, spec, view, timeout: asked.append(len(list(view.get_node_ids())))
-                        or real(grid, strategy, rnd, arrays, spec, view, timeout))
+    monkeypatch.setattr(
+        server,
+        "_federated_eval",
+        lambda grid, strategy, rnd, arrays, spec, view, timeout: (
+            asked.append(len(list(view.get_node_ids())))
+            or real(grid, strategy, rnd, arrays, spec, view, timeout)
+        ),
+    )
     run_tiny(tmp_path, "clients_per_round=4", "federated_eval=true", "strategy.fraction_evaluate=0.5")
     assert asked == [2, 2]
     assert all("fed_eval_accuracy" in r for r in read_metrics(tmp_path)[1:])
@@ -163,14 +182,21 @@ def test_federated_evaluation_fraction_is_honoured(tmp_path, monkeypatch):
 
 def test_federated_evaluation_skips_clients_without_validation_examples(tmp_path):
     """Tiny partitions whose validation split rounds to zero examples: no division by zero, no fed_ fields."""
-    summary = run_tiny(tmp_path, "partitioner=iid", "num_clients=200", "clients_per_round=5", "federated_eval=true")
+    summary = run_tiny(
+        tmp_path, "partitioner=iid", "num_clients=200", "clients_per_round=5", "federated_eval=true"
+    )
     assert summary["status"] == "completed" and summary["total_failures"] == 0
     assert all("fed_eval_accuracy" not in r for r in read_metrics(tmp_path))
 
 
 def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):
-    summary = run_tiny(tmp_path, "num_rounds=20", "clipping=fixed", "clipping.noise_multiplier=0.8",
-                       "clipping.max_epsilon=15")
+    summary = run_tiny(
+        tmp_path,
+        "num_rounds=20",
+        "clipping=fixed",
+        "clipping.noise_multiplier=0.8",
+        "clipping.max_epsilon=15",
+    )
     recs = read_metrics(tmp_path)
     assert summary["status"] == "stopped" and "epsilon" in summary["stop_reason"].lower()
     assert 1 <= summary["rounds_done"] < 20

@@ -9,15 +9,15 @@ from strategy_helpers import configure, flower_kwargs, make_replies, run_round, 
 
 from fedsim import keys
 from fedsim.errors import ConfigError
-from strategies.fedadagrad import FedAdagrad
-from strategies.fedadam import FedAdam
-from strategies.fedavg import FedAvg
-from strategies.fedavgm import FedAvgM
-from strategies.fedmedian import FedMedian
-from strategies.fedprox import FedProx
-from strategies.fedtrimmedavg import FedTrimmedAvg
-from strategies.fedyogi import FedYogi
-from strategies.krum import Krum
+from fedsim.strategies.fedadagrad import FedAdagrad
+from fedsim.strategies.fedadam import FedAdam
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.fedavgm import FedAvgM
+from fedsim.strategies.fedmedian import FedMedian
+from fedsim.strategies.fedprox import FedProx
+from fedsim.strategies.fedtrimmedavg import FedTrimmedAvg
+from fedsim.strategies.fedyogi import FedYogi
+from fedsim.strategies.krum import Krum
 
 KW = flower_kwargs()
 GLOBAL = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(2, np.float32)}

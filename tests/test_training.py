@@ -27,7 +27,9 @@ def test_one_full_batch_sgd_step_is_plain_gradient_descent():
     x, y = _data()
     net = models.logreg((6,), 3)
     ref = copy.deepcopy(net)
-    train_local(net, x, y, LocalTraining(optimizer="sgd", lr=0.3, local_steps=1, batch_size=0), torch.Generator())
+    train_local(
+        net, x, y, LocalTraining(optimizer="sgd", lr=0.3, local_steps=1, batch_size=0), torch.Generator()
+    )
     loss = F.cross_entropy(ref(x), y)
     grads = torch.autograd.grad(loss, list(ref.parameters()))
     for p, r, g in zip(net.parameters(), ref.parameters(), grads):
@@ -42,7 +44,9 @@ def test_proximal_term_keeps_model_closer_to_start():
     for mu in (0.0, 2.0):
         net = copy.deepcopy(base)
         train_local(net, x, y, cfg, torch.Generator().manual_seed(1), proximal_mu=mu)
-        dist[mu] = sum(float(((p.detach() - q.detach()) ** 2).sum()) for p, q in zip(net.parameters(), base.parameters()))
+        dist[mu] = sum(
+            float(((p.detach() - q.detach()) ** 2).sum()) for p, q in zip(net.parameters(), base.parameters())
+        )
     assert dist[2.0] < 0.5 * dist[0.0]
 
 
@@ -71,8 +75,13 @@ def test_every_optimizer_reduces_training_loss(opt):
     net = models.mlp((6,), 3, hidden=(16,))
     before, _ = evaluate(net, x, y)
     lr = 0.01 if opt == "adam" else 0.1
-    train_local(net, x, y, LocalTraining(optimizer=opt, lr=lr, local_epochs=20, batch_size=16),
-                torch.Generator().manual_seed(0))
+    train_local(
+        net,
+        x,
+        y,
+        LocalTraining(optimizer=opt, lr=lr, local_epochs=20, batch_size=16),
+        torch.Generator().manual_seed(0),
+    )
     after, _ = evaluate(net, x, y)
     assert after < before
 

@@ -399,11 +399,19 @@ def flwr_datasets(
         part = cls(**kwargs)
         part.dataset = datasets.Dataset.from_dict(columns)
         made = part.num_partitions
-        parts = [np.sort(np.asarray(part.load_partition(i)["idx"], dtype=np.int64)) for i in range(min(made, k))]
-    except (TypeError, ValueError, KeyError) as e:  # the partitioner's own check of its parameters or the data
+        parts = [
+            np.sort(np.asarray(part.load_partition(i)["idx"], dtype=np.int64)) for i in range(min(made, k))
+        ]
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+    ) as e:  # the partitioner's own check of its parameters or the data
         reason = " ".join(str(e).split())[:300]
         raise ConfigError(
-            "name", name, f"parameters {name} accepts for this data (flwr-datasets says: {reason})",
+            "name",
+            name,
+            f"parameters {name} accepts for this data (flwr-datasets says: {reason})",
             "Set them with +partitioner.<key>=VALUE, remove them with ~partitioner.<key>.",
         ) from None
     if made != k:

@@ -164,8 +164,11 @@ def synthetic_images(
         if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
             raise ConfigError(key, val, f"an integer >= {lo}")
     dims = list(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
-    if (dims is None or len(dims) != 3
-            or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in dims)):
+    if (
+        dims is None
+        or len(dims) != 3
+        or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in dims)
+    ):
         raise ConfigError("shape", shape if dims is None else dims, "three positive integers [C, H, W]")
     shape = tuple(int(s) for s in dims)
     if (

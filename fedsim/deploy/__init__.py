@@ -17,12 +17,22 @@ from fedsim.deploy.launch import (
     free_port,
     node_config,
     stop_from_pidfile,
-    supernode_command,
     superlink_command,
+    supernode_command,
     wait_for_superlink,
 )
 
 __all__ = [
-    "DeployError", "Federation", "Security", "check_node", "free_port", "make_certs", "make_node_key", "node_config",
-    "stop_from_pidfile", "superlink_command", "supernode_command", "wait_for_superlink",
+    "DeployError",
+    "Federation",
+    "Security",
+    "check_node",
+    "free_port",
+    "make_certs",
+    "make_node_key",
+    "node_config",
+    "stop_from_pidfile",
+    "superlink_command",
+    "supernode_command",
+    "wait_for_superlink",
 ]

@@ -34,7 +34,6 @@ from fedsim.deploy.launch import (
 DEFAULT_WORKDIR = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fedsim" / "deploy")
 
 
-
 def app_folder(given: Path | None) -> Path:
     """The Flower App folder to submit: ``given``, else fedsim's own checkout, else the working directory.
 
@@ -47,47 +46,82 @@ def app_folder(given: Path | None) -> Path:
         if toml.is_file() and "[tool.flwr.app]" in toml.read_text(encoding="utf-8", errors="replace"):
             return folder.resolve()
     where = given if given is not None else Path.cwd()
-    raise DeployError(f"{where} is not a Flower App folder (no pyproject.toml with [tool.flwr.app]); "
-                      "run from the fedsim checkout or pass --app DIR")
+    raise DeployError(
+        f"{where} is not a Flower App folder (no pyproject.toml with [tool.flwr.app]); "
+        "run from the fedsim checkout or pass --app DIR"
+    )
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fedsim.deploy", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m fedsim.deploy",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
     c = sub.add_parser("certs", help="write a test CA, a SuperLink certificate and SuperNode key pairs")
     c.add_argument("dir", type=Path, help="output folder")
     c.add_argument("--nodes", type=int, default=3, help="SuperNode key pairs to make (default 3)")
-    c.add_argument("--host", action="append", default=[],
-                   help="extra host name or IP for the SuperLink certificate (repeatable)")
+    c.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="extra host name or IP for the SuperLink certificate (repeatable)",
+    )
 
     loc = sub.add_parser("local", help="run the app on a SuperLink and N SuperNodes on this machine")
     loc.add_argument("--nodes", type=int, default=3, help="number of SuperNodes = partitions (default 3)")
-    loc.add_argument("--tls", action="store_true", help="TLS between all processes (test certs unless --certs)")
+    loc.add_argument(
+        "--tls", action="store_true", help="TLS between all processes (test certs unless --certs)"
+    )
     loc.add_argument("--auth", action="store_true", help="SuperNode authentication (needs --tls)")
-    loc.add_argument("--certs", type=Path, help="certificate folder (default: make test ones in WORKDIR/certs)")
+    loc.add_argument(
+        "--certs", type=Path, help="certificate folder (default: make test ones in WORKDIR/certs)"
+    )
     loc.add_argument("--overrides", default="", help="Hydra overrides, as on the fedsim command line")
     loc.add_argument("--out-dir", help="run folder (default outputs/deploy-<timestamp> in this directory)")
-    loc.add_argument("--data-dir", help="per-node data folder; {i} becomes the partition id, e.g. data/node{i}")
-    loc.add_argument("--app", type=Path, default=None,
-                     help="the Flower App folder (default: the fedsim checkout this package runs from, else .)")
+    loc.add_argument(
+        "--data-dir", help="per-node data folder; {i} becomes the partition id, e.g. data/node{i}"
+    )
+    loc.add_argument(
+        "--app",
+        type=Path,
+        default=None,
+        help="the Flower App folder (default: the fedsim checkout this package runs from, else .)",
+    )
     loc.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
-    loc.add_argument("--workdir", type=Path, default=Path(DEFAULT_WORKDIR),
-                     help=f"logs, pid file and private FLWR_HOME (default {DEFAULT_WORKDIR})")
-    loc.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the run (default 3600)")
+    loc.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(DEFAULT_WORKDIR),
+        help=f"logs, pid file and private FLWR_HOME (default {DEFAULT_WORKDIR})",
+    )
+    loc.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds to wait for the run (default 3600)"
+    )
     loc.add_argument("--keep", action="store_true", help="leave the federation running (stop it with `stop`)")
 
-    n = sub.add_parser("supernode", help="check one SuperNode's settings, then start it (on a client machine)",
-                       description="Check partition id, certificate and key files, data folder and that the "
-                       "SuperLink answers, then exec flower-supernode (runtime dependency installation off).")
+    n = sub.add_parser(
+        "supernode",
+        help="check one SuperNode's settings, then start it (on a client machine)",
+        description="Check partition id, certificate and key files, data folder and that the "
+        "SuperLink answers, then exec flower-supernode (runtime dependency installation off).",
+    )
     n.add_argument("--superlink", required=True, help="the SuperLink's HOST:PORT")
     n.add_argument("--partition-id", type=int, required=True, help="this node's partition id, in [0, N)")
     n.add_argument("--num-partitions", type=int, required=True, help="N: the run's num_clients")
-    n.add_argument("--root-certificates", type=Path, help="CA certificate that signed the SuperLink's certificate")
-    n.add_argument("--key", type=Path, help="this node's private key (its .pub registered on the SuperLink side)")
+    n.add_argument(
+        "--root-certificates", type=Path, help="CA certificate that signed the SuperLink's certificate"
+    )
+    n.add_argument(
+        "--key", type=Path, help="this node's private key (its .pub registered on the SuperLink side)"
+    )
     n.add_argument("--insecure", action="store_true", help="no TLS (and so no node authentication)")
     n.add_argument("--data-dir", help="this node's own data folder (train.npz, optional val.npz)")
-    n.add_argument("--port", type=int, default=9094, help="this SuperNode's own Runtime API port (default 9094)")
+    n.add_argument(
+        "--port", type=int, default=9094, help="this SuperNode's own Runtime API port (default 9094)"
+    )
     n.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the SuperLink (default 30)")
     n.add_argument("--dry-run", action="store_true", help="check and print the command, do not start it")
 
@@ -112,7 +146,9 @@ def run_local(args: argparse.Namespace) -> int:
     certs = args.certs
     if args.tls and certs is None:
         certs = workdir / "certs"
-        if not (certs / "ca.crt").exists() or (args.auth and not (certs / f"supernode{args.nodes - 1}").exists()):
+        if not (certs / "ca.crt").exists() or (
+            args.auth and not (certs / f"supernode{args.nodes - 1}").exists()
+        ):
             print(f"# test certificates: python -m fedsim.deploy certs {certs} --nodes {args.nodes}")
             make_certs(certs, nodes=args.nodes)
     sec = Security(tls=args.tls, auth=args.auth, certs=certs.resolve() if certs else None)
@@ -131,11 +167,15 @@ def run_local(args: argparse.Namespace) -> int:
         print(f"# {args.nodes} SuperNodes online after {fed.wait_nodes_online(args.nodes):.1f} s")
         run_id = fed.submit(app, {"overrides": overrides, "out-dir": str(out_dir.resolve())})
         status = fed.wait_run(run_id, args.timeout, stream=True)
-        print(f"# run {run_id}: {status['status']} {status.get('status-details') or ''} "
-              f"after {time.monotonic() - t0:.0f} s; run folder {out_dir.resolve()}")
+        print(
+            f"# run {run_id}: {status['status']} {status.get('status-details') or ''} "
+            f"after {time.monotonic() - t0:.0f} s; run folder {out_dir.resolve()}"
+        )
         if args.keep:
             fed.detach()  # leaving the block no longer stops them; pids.json keeps their pids
-            print(f"# still running; stop with: python -m fedsim.deploy stop --workdir {shlex.quote(str(workdir))}")
+            print(
+                f"# still running; stop with: python -m fedsim.deploy stop --workdir {shlex.quote(str(workdir))}"
+            )
     return 0 if status["status"] == "finished:completed" else 1
 
 
@@ -145,13 +185,31 @@ def run_supernode(args: argparse.Namespace) -> int:
         raise DeployError("give either --root-certificates CA_CERT (TLS) or --insecure")
     if args.insecure and args.key is not None:
         raise DeployError("--key (node authentication) needs TLS: drop --insecure, give --root-certificates")
-    check_node(args.superlink, args.partition_id, args.num_partitions, args.root_certificates, args.key,
-               args.data_dir, args.wait)
-    sec = Security(tls=not args.insecure, auth=args.key is not None,
-                   certs=args.root_certificates.parent if args.root_certificates else None)
+    check_node(
+        args.superlink,
+        args.partition_id,
+        args.num_partitions,
+        args.root_certificates,
+        args.key,
+        args.data_dir,
+        args.wait,
+    )
+    sec = Security(
+        tls=not args.insecure,
+        auth=args.key is not None,
+        certs=args.root_certificates.parent if args.root_certificates else None,
+    )
     data_dir = str(Path(args.data_dir).expanduser().resolve()) if args.data_dir else None
-    cmd = supernode_command(args.superlink, args.port, args.partition_id, args.num_partitions, sec, key=args.key,
-                            data_dir=data_dir, ca=args.root_certificates)
+    cmd = supernode_command(
+        args.superlink,
+        args.port,
+        args.partition_id,
+        args.num_partitions,
+        sec,
+        key=args.key,
+        data_dir=data_dir,
+        ca=args.root_certificates,
+    )
     print("$ " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0

@@ -50,22 +50,43 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.TraditionalOpenSSL,
+        serialization.NoEncryption(),
+    )
 
 
-def _cert(subject: str, issuer: x509.Name | None, key, signer, days: int, ca: bool, hosts=()) -> x509.Certificate:
+def _cert(
+    subject: str, issuer: x509.Name | None, key, signer, days: int, ca: bool, hosts=()
+) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     now = dt.datetime.now(dt.timezone.utc)
-    b = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name).public_key(key.public_key())
-         .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-         .not_valid_after(now + dt.timedelta(days=days))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    b = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer or name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        b = b.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                          content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                          key_agreement=False, encipher_only=False, decipher_only=False),
-                            critical=True)
+        b = b.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     else:
         b = b.add_extension(_san(tuple(hosts)), critical=False)
         b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
@@ -101,8 +122,14 @@ def make_node_key(path: str | Path, comment: str = "") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
-    _write_private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                           serialization.NoEncryption()))
+    _write_private(
+        path,
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+        ),
+    )
     pub = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
-    path.with_name(path.name + ".pub").write_bytes(pub + (b" " + comment.encode() if comment else b"") + b"\n")
+    path.with_name(path.name + ".pub").write_bytes(
+        pub + (b" " + comment.encode() if comment else b"") + b"\n"
+    )
     return path

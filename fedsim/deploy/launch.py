@@ -9,6 +9,7 @@ its process group and the helper processes Flower spawns (``flower-superexec``, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -27,8 +28,11 @@ from pathlib import Path
 from fedsim.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, node_key_name
 
 # Offline, reproducible Flower processes: no telemetry, no update check, no `uv sync` of the app per run.
-FLWR_ENV = {"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+FLWR_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_UPDATE_CHECK": "1",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+}
 CONNECTION = "fedsim"  # name of the SuperLink connection written to $FLWR_HOME/config.toml
 FINISHED = "finished"
 
@@ -54,10 +58,14 @@ class Security:
 
     def __post_init__(self) -> None:
         if self.auth and not self.tls:
-            raise DeployError("SuperNode authentication needs TLS: use --tls with --auth (Flower refuses "
-                              "--enable-supernode-auth together with --insecure)")
+            raise DeployError(
+                "SuperNode authentication needs TLS: use --tls with --auth (Flower refuses "
+                "--enable-supernode-auth together with --insecure)"
+            )
         if self.tls and self.certs is None:
-            raise DeployError("TLS needs a certificate folder (make one with `python -m fedsim.deploy certs DIR`)")
+            raise DeployError(
+                "TLS needs a certificate folder (make one with `python -m fedsim.deploy certs DIR`)"
+            )
 
     @property
     def ca(self) -> Path:
@@ -81,8 +89,10 @@ class Security:
         """Raise ``DeployError`` naming the first missing certificate or key file."""
         for f in self.required_files(nodes):
             if not f.is_file():
-                raise DeployError(f"missing certificate/key file: {f} (make test ones with "
-                                  f"`python -m fedsim.deploy certs {f.parent} --nodes {nodes}`)")
+                raise DeployError(
+                    f"missing certificate/key file: {f} (make test ones with "
+                    f"`python -m fedsim.deploy certs {f.parent} --nodes {nodes}`)"
+                )
 
 
 def superlink_command(host: str, port: int, sec: Security) -> list[str]:
@@ -90,8 +100,14 @@ def superlink_command(host: str, port: int, sec: Security) -> list[str]:
     cmd = ["flower-superlink"]
     if sec.tls:
         c = Path(sec.certs)
-        cmd += ["--ssl-ca-certfile", str(c / CA_CERT), "--ssl-certfile", str(c / SERVER_CERT),
-                "--ssl-keyfile", str(c / SERVER_KEY)]
+        cmd += [
+            "--ssl-ca-certfile",
+            str(c / CA_CERT),
+            "--ssl-certfile",
+            str(c / SERVER_CERT),
+            "--ssl-keyfile",
+            str(c / SERVER_KEY),
+        ]
     else:
         cmd += ["--insecure"]
     if sec.auth:
@@ -107,9 +123,17 @@ def node_config(partition_id: int, num_partitions: int, data_dir: str | None = N
     return text
 
 
-def supernode_command(superlink: str, port: int, partition_id: int, num_partitions: int, sec: Security,
-                      key: Path | None = None, data_dir: str | None = None,
-                      max_wait_time: float | None = None, ca: Path | None = None) -> list[str]:
+def supernode_command(
+    superlink: str,
+    port: int,
+    partition_id: int,
+    num_partitions: int,
+    sec: Security,
+    key: Path | None = None,
+    data_dir: str | None = None,
+    max_wait_time: float | None = None,
+    ca: Path | None = None,
+) -> list[str]:
     """``flower-supernode`` for one node; ``port`` is its own Runtime API port (unique per host).
 
     ``ca`` overrides ``sec.ca`` (the CA certificate that signed the SuperLink's certificate).
@@ -123,8 +147,15 @@ def supernode_command(superlink: str, port: int, partition_id: int, num_partitio
     return cmd + ["--port", str(port), "--node-config", node_config(partition_id, num_partitions, data_dir)]
 
 
-def check_node(superlink: str, partition_id: int, num_partitions: int, ca: Path | None, key: Path | None,
-               data_dir: str | None, wait: float) -> None:
+def check_node(
+    superlink: str,
+    partition_id: int,
+    num_partitions: int,
+    ca: Path | None,
+    key: Path | None,
+    data_dir: str | None,
+    wait: float,
+) -> None:
     """Check a SuperNode's settings before it starts; raise ``DeployError`` naming the first problem.
 
     Checks, cheapest first: ``0 <= partition_id < num_partitions``; the CA certificate and private key files
@@ -132,16 +163,20 @@ def check_node(superlink: str, partition_id: int, num_partitions: int, ca: Path 
     ``wait`` seconds (over TLS with ``ca`` when given, which also proves the certificate is trusted).
     """
     if num_partitions < 1 or not 0 <= partition_id < num_partitions:
-        raise DeployError(f"partition-id={partition_id} is not allowed: expected an integer in "
-                          f"[0, num-partitions={num_partitions})")
+        raise DeployError(
+            f"partition-id={partition_id} is not allowed: expected an integer in "
+            f"[0, num-partitions={num_partitions})"
+        )
     for what, f in (("CA certificate", ca), ("SuperNode private key", key)):
         if f is not None and not Path(f).is_file():
             raise DeployError(f"missing {what} file: {f}")
     if data_dir is not None:
         folder = Path(data_dir).expanduser()
         if not folder.is_dir():
-            raise DeployError(f"data-dir={data_dir!r}: no such folder (expected one holding train.npz with "
-                              "arrays x and y; see docs/deploy.md)")
+            raise DeployError(
+                f"data-dir={data_dir!r}: no such folder (expected one holding train.npz with "
+                "arrays x and y; see docs/deploy.md)"
+            )
         if not (folder / "train.npz").is_file():
             raise DeployError(f"data-dir={data_dir!r}: {folder / 'train.npz'} does not exist")
     wait_for_superlink(superlink, wait, ca)
@@ -157,8 +192,9 @@ def connection_toml(address: str, sec: Security, name: str = CONNECTION) -> str:
     return "\n".join(lines) + "\n"
 
 
-def wait_for_superlink(address: str, timeout: float, ca: Path | None = None,
-                       alive: Callable[[], bool] = lambda: True) -> float:
+def wait_for_superlink(
+    address: str, timeout: float, ca: Path | None = None, alive: Callable[[], bool] = lambda: True
+) -> float:
     """Poll the SuperLink's ``/health`` route until it answers; return the seconds waited.
 
     Raises
@@ -181,12 +217,15 @@ def wait_for_superlink(address: str, timeout: float, ca: Path | None = None,
         if not alive():
             raise DeployError(f"the SuperLink process exited before {address} answered ({last})")
         if time.monotonic() - t0 > timeout:
-            raise DeployError(f"the SuperLink at {address} did not answer within {timeout:g} s ({last}); "
-                              "check the address, the port and that flower-superlink is running")
+            raise DeployError(
+                f"the SuperLink at {address} did not answer within {timeout:g} s ({last}); "
+                "check the address, the port and that flower-superlink is running"
+            )
         time.sleep(0.2)
 
 
 # ---- processes ------------------------------------------------------------------------------------------
+
 
 def _children(pid: int) -> list[int]:
     """Direct children of ``pid`` (Linux /proc; elsewhere ``pgrep -P``)."""
@@ -265,8 +304,15 @@ class Federation:
         Receives each command line before it runs (``print`` by default).
     """
 
-    def __init__(self, workdir: str | Path, sec: Security, host: str = "127.0.0.1", port: int | None = None,
-                 cwd: str | Path | None = None, echo: Callable[[str], None] = print) -> None:
+    def __init__(
+        self,
+        workdir: str | Path,
+        sec: Security,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        cwd: str | Path | None = None,
+        echo: Callable[[str], None] = print,
+    ) -> None:
         self.workdir = Path(workdir).resolve()
         self.sec, self.host, self.port = sec, host, port or free_port(host)
         self.cwd = Path(cwd).resolve() if cwd else None
@@ -297,8 +343,9 @@ class Federation:
         self._echo(cmd)
         log = open(self.logs / f"{name}.log", "wb")
         try:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=cwd,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=cwd, start_new_session=True
+            )
         finally:
             log.close()
         self.procs[name] = proc
@@ -325,8 +372,12 @@ class Federation:
         (self.flwr_home / "config.toml").write_text(connection_toml(self.address, self.sec))
         self.echo(f"# {self.flwr_home / 'config.toml'}:\n" + connection_toml(self.address, self.sec))
         try:
-            return wait_for_superlink(self.address, timeout, self.sec.ca if self.sec.tls else None,
-                                      alive=lambda: proc.poll() is None)
+            return wait_for_superlink(
+                self.address,
+                timeout,
+                self.sec.ca if self.sec.tls else None,
+                alive=lambda: proc.poll() is None,
+            )
         except DeployError as e:
             raise DeployError(f"{e}\n{self.log_tail('superlink')}") from None
 
@@ -339,10 +390,12 @@ class Federation:
         except subprocess.TimeoutExpired:
             raise DeployError(f"`{shlex.join(cmd)}` did not finish within {timeout:g} s") from None
         try:
-            out = json.loads(res.stdout[res.stdout.find("{"):])
+            out = json.loads(res.stdout[res.stdout.find("{") :])
         except ValueError:
-            raise DeployError(f"`{shlex.join(cmd)}` failed (exit {res.returncode}): "
-                              f"{(res.stdout + res.stderr).strip()[-500:]}") from None
+            raise DeployError(
+                f"`{shlex.join(cmd)}` failed (exit {res.returncode}): "
+                f"{(res.stdout + res.stderr).strip()[-500:]}"
+            ) from None
         if not out.get("success", False):
             msg = " ".join(str(out.get("error-message", out)).split())
             raise DeployError(f"`{shlex.join(cmd)}` failed: {msg}")
@@ -350,7 +403,9 @@ class Federation:
 
     def register(self, partition_id: int, public_key: Path | None = None) -> int:
         """Register a SuperNode's public key with the SuperLink (before the node connects); return its node id."""
-        key = public_key or self.sec.node_key(partition_id).with_name(self.sec.node_key(partition_id).name + ".pub")
+        key = public_key or self.sec.node_key(partition_id).with_name(
+            self.sec.node_key(partition_id).name + ".pub"
+        )
         out = self.flwr("supernode", "register", str(key), CONNECTION, "--name", f"node{partition_id}")
         self.node_ids[partition_id] = int(out["node-id"])
         return self.node_ids[partition_id]
@@ -360,12 +415,26 @@ class Federation:
         return list(self.flwr("supernode", "list", CONNECTION)["nodes"])
 
     # -- SuperNodes ---------------------------------------------------------------------------------------
-    def start_supernode(self, partition_id: int, num_partitions: int, data_dir: str | None = None,
-                        key: Path | None = None, name: str | None = None,
-                        max_wait_time: float | None = None) -> subprocess.Popen:
+    def start_supernode(
+        self,
+        partition_id: int,
+        num_partitions: int,
+        data_dir: str | None = None,
+        key: Path | None = None,
+        name: str | None = None,
+        max_wait_time: float | None = None,
+    ) -> subprocess.Popen:
         """Start one SuperNode for ``partition_id`` (its own Runtime API port is picked free)."""
-        cmd = supernode_command(self.address, free_port(self.host), partition_id, num_partitions, self.sec,
-                                key=key, data_dir=data_dir, max_wait_time=max_wait_time)
+        cmd = supernode_command(
+            self.address,
+            free_port(self.host),
+            partition_id,
+            num_partitions,
+            self.sec,
+            key=key,
+            data_dir=data_dir,
+            max_wait_time=max_wait_time,
+        )
         return self.spawn(name or f"supernode{partition_id}", cmd, cwd=self.cwd)
 
     def wait_nodes_online(self, count: int, timeout: float = 120.0) -> float:
@@ -377,10 +446,14 @@ class Federation:
                 return time.monotonic() - t0
             dead = [n for n, p in self.procs.items() if n.startswith("supernode") and p.poll() is not None]
             if dead:
-                raise DeployError(f"SuperNode {dead[0]} exited (code {self.procs[dead[0]].returncode}):\n"
-                                  f"{self.log_tail(dead[0])}")
+                raise DeployError(
+                    f"SuperNode {dead[0]} exited (code {self.procs[dead[0]].returncode}):\n"
+                    f"{self.log_tail(dead[0])}"
+                )
             if time.monotonic() - t0 > timeout:
-                raise DeployError(f"only {len(online)} of {count} SuperNodes came online within {timeout:g} s")
+                raise DeployError(
+                    f"only {len(online)} of {count} SuperNodes came online within {timeout:g} s"
+                )
             time.sleep(0.5)
 
     # -- runs ---------------------------------------------------------------------------------------------
@@ -394,8 +467,14 @@ class Federation:
         """``flwr ls --run-id``: the run's dict (``status``, ``status-details``, ...)."""
         return self.flwr("ls", CONNECTION, "--run-id", str(run_id))["runs"][0]
 
-    def wait_run(self, run_id: int, timeout: float, stream: bool = False, poll: float = 2.0,
-                 done: Callable[[], bool] | None = None) -> dict:
+    def wait_run(
+        self,
+        run_id: int,
+        timeout: float,
+        stream: bool = False,
+        poll: float = 2.0,
+        done: Callable[[], bool] | None = None,
+    ) -> dict:
         """Poll the run until it is finished (``finished:completed|failed|stopped``); return its status dict.
 
         ``stream=True`` also streams the run's logs (``flwr log RUN --stream``) to this process's stdout.
@@ -414,8 +493,9 @@ class Federation:
                 if str(status.get("status", "")).startswith(FINISHED):
                     return status
                 if time.monotonic() - t0 > timeout:
-                    raise DeployError(f"run {run_id} did not finish within {timeout:g} s "
-                                      f"(status {status.get('status')})")
+                    raise DeployError(
+                        f"run {run_id} did not finish within {timeout:g} s (status {status.get('status')})"
+                    )
                 if done is None or done():
                     time.sleep(poll)
                     continue
@@ -449,10 +529,8 @@ class Federation:
         proc = self.procs.pop(name)
         pids = [proc.pid, *descendants(proc.pid)]
         for pid in pids:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         proc.wait(timeout=10)
         self.stopped += pids
         self._write_pids()

@@ -19,6 +19,7 @@ virtual nodes is discovered without building 10^5 client tasks.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -125,12 +126,17 @@ def _start_worker(app_ref: str) -> _Worker:
     """A fresh interpreter running ``worker_main`` on two pipes (only those fds are inherited)."""
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
-    code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # Ctrl-C is the server's to handle
-            f"from fedsim.engines.pool import worker_main; worker_main({to_r}, {from_w}, {app_ref!r})")
+    code = (
+        "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # Ctrl-C is the server's to handle
+        f"from fedsim.engines.pool import worker_main; worker_main({to_r}, {from_w}, {app_ref!r})"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the server's import path
     # its own session: a terminal's Ctrl-C goes to the server, which writes its checkpoint and stops the workers
     proc = subprocess.Popen(
-        [sys.executable, "-c", code], pass_fds=(to_r, from_w), env=env, stdin=subprocess.DEVNULL,
+        [sys.executable, "-c", code],
+        pass_fds=(to_r, from_w),
+        env=env,
+        stdin=subprocess.DEVNULL,
         start_new_session=True,
     )
     os.close(to_r)
@@ -141,10 +147,8 @@ def _start_worker(app_ref: str) -> _Worker:
 def _stop(workers: list[_Worker], grace: float = 3.0) -> None:
     """Stop worker processes: ask, wait up to ``grace`` seconds, then kill; close the pipes."""
     for w in workers:
-        try:
+        with contextlib.suppress(OSError, ValueError):
             w.inbox.send(("stop",))
-        except (OSError, ValueError):
-            pass
     deadline = time.monotonic() + grace
     for w in workers:
         try:

@@ -10,10 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
-
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context
@@ -39,15 +38,15 @@ class _StoppableGrid(GridView):
         if self._failed.is_set():
             raise RunError("the Ray simulation engine stopped")
 
-    def get_node_ids(self):  # noqa: D102
+    def get_node_ids(self):
         self._check()
         return self._grid.get_node_ids()
 
-    def pull_messages(self, message_ids):  # noqa: D102
+    def pull_messages(self, message_ids):
         self._check()
         return self._grid.pull_messages(message_ids)
 
-    def send_and_receive(self, messages, *, timeout=None):  # noqa: D102
+    def send_and_receive(self, messages, *, timeout=None):
         ids = set(self.push_messages(messages))
         end = None if timeout is None else time.monotonic() + timeout
         replies = []
@@ -75,15 +74,22 @@ def check_resources(backend: dict) -> None:
         return  # a cluster: its nodes' resources are Ray's to check
     cpus = float(init["num_cpus"])
     if res["num_cpus"] > cpus:
-        raise ConfigError("placement.num_cpus_per_client", res["num_cpus"],
-                          f"a number in (0, {cpus:g}]: Ray gets {cpus:g} CPUs here (engine.num_cpus or the cores)")
+        raise ConfigError(
+            "placement.num_cpus_per_client",
+            res["num_cpus"],
+            f"a number in (0, {cpus:g}]: Ray gets {cpus:g} CPUs here (engine.num_cpus or the cores)",
+        )
     if res["num_gpus"] > 0:
         import torch
 
         gpus = float(init.get("num_gpus", torch.cuda.device_count() if torch.cuda.is_available() else 0))
         if res["num_gpus"] > gpus:
-            raise ConfigError("placement.num_gpus_per_client", res["num_gpus"],
-                              f"a number in [0, {gpus:g}]: Ray gets {gpus:g} GPUs here", "Use placement=cpu.")
+            raise ConfigError(
+                "placement.num_gpus_per_client",
+                res["num_gpus"],
+                f"a number in [0, {gpus:g}]: Ray gets {gpus:g} GPUs here",
+                "Use placement=cpu.",
+            )
 
 
 def backend_config(
@@ -114,8 +120,12 @@ def check_address(address: str | None, timeout: float = 5.0) -> None:
     machine belongs to) and ``ray://`` client addresses are left to Ray.
     """
     if address == "auto" and not _cluster_running():
-        raise ConfigError("engine.address", address, "a running Ray cluster on this machine for 'auto'",
-                          "Start one with `ray start --head`, give its HOST:PORT, or leave engine.address null.")
+        raise ConfigError(
+            "engine.address",
+            address,
+            "a running Ray cluster on this machine for 'auto'",
+            "Start one with `ray start --head`, give its HOST:PORT, or leave engine.address null.",
+        )
     if not address or address == "auto" or "://" in address:
         return
     host, sep, port = address.rpartition(":")
@@ -157,8 +167,9 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
     try:
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=num_clients,
-                       backend_config=backend)
+        run_simulation(
+            server_app=server_app, client_app=client_app, num_supernodes=num_clients, backend_config=backend
+        )
     except RuntimeError as e:
         failed.set()  # ends the ServerApp thread's waits at once
         if isinstance(e.__cause__, (RunError, ConfigError)):

@@ -65,7 +65,9 @@ def train_generator(seed: int, rnd: int, partition_id: int) -> torch.Generator:
     )
 
 
-def schedule(n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None) -> list[torch.Tensor]:
+def schedule(
+    n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None
+) -> list[torch.Tensor]:
     """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them."""
     bs = batch_size_for(n, cfg)
     steps = num_local_steps(n, cfg, max_steps)
@@ -189,9 +191,14 @@ class VectorizedGrid(PoolGrid):
         if {n: tuple(t.shape) for n, t in start.items()} != shapes:
             return None  # the ClientApp's strict load reports the mismatch
         rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
-        max_steps = int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None  # partial work before a deadline
+        max_steps = (
+            int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None
+        )  # partial work before a deadline
         batches = schedule(
-            int(task.x_train.shape[0]), task.local, train_generator(task.seed, rnd, task.partition_id), max_steps
+            int(task.x_train.shape[0]),
+            task.local,
+            train_generator(task.seed, rnd, task.partition_id),
+            max_steps,
         )
         if not batches:
             return None

@@ -1,0 +1,108 @@
+"""What a strategy may offer fedsim's loops: the contract, written down once.
+
+A **synchronous** strategy is a Flower ``flwr.serverapp.strategy.Strategy``: the loop calls
+``configure_train`` / ``aggregate_train`` every round and ``configure_evaluate`` / ``aggregate_evaluate`` when
+``federated_eval`` is on. fedsim samples the cohort itself and hands ``configure_*`` a grid view holding only
+the sampled nodes, so a strategy sends to every node it is given.
+
+An **asynchronous** strategy subclasses :class:`fedsim.strategies.async_base.AsyncStrategy`.
+
+Either kind may also offer these optional capabilities; the loops, the builder and the checkpoints ask for them
+only through the functions below (never by probing attributes elsewhere):
+
+============================  ===============================================================================
+capability                    meaning
+============================  ===============================================================================
+:class:`Stateful`             ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps. Without
+                              them the strategy object is pickled into the checkpoint.
+:class:`ChecksCohort`         ``check_cohort(clients_per_round)`` raises ``ConfigError`` before any work when
+                              the cohort is too small for it (e.g. Krum's ``2f + 3``).
+:class:`SamplesCohort`        ``sample_cohort(server_round, num_clients, clients_per_round)`` returns the
+                              round's partition ids, replacing the loop's uniform draw (e.g. DP's Poisson
+                              sampling, which the privacy accountant must match).
+============================  ===============================================================================
+"""
+
+from __future__ import annotations
+
+import io
+import pickle as _pickle
+from collections.abc import Iterable
+from typing import Any, Protocol, runtime_checkable
+
+from flwr.app import Message, MetricRecord
+
+from fedsim import keys
+from fedsim.strategies.async_base import AsyncStrategy
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """A strategy whose checkpoint is its ``state_dict()`` (plain values and numpy arrays)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class ChecksCohort(Protocol):
+    """A strategy that needs a minimum cohort (checked once, before any work)."""
+
+    def check_cohort(self, clients_per_round: int) -> None: ...
+
+
+@runtime_checkable
+class SamplesCohort(Protocol):
+    """A strategy that draws each round's cohort itself (sorted partition ids)."""
+
+    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int]: ...
+
+
+def is_async(strategy: object) -> bool:
+    """True for an asynchronous strategy (run by ``fedsim.async_server``)."""
+    return isinstance(strategy, AsyncStrategy)
+
+
+def state_dict(strategy: object) -> dict[str, Any] | None:
+    """The strategy's ``state_dict()``, or None when it has none (checkpoints then pickle the object)."""
+    return strategy.state_dict() if isinstance(strategy, Stateful) else None
+
+
+def check_cohort(strategy: object, clients_per_round: int) -> None:
+    """Let a strategy that needs a minimum cohort refuse ``clients_per_round`` (``ConfigError``)."""
+    if isinstance(strategy, ChecksCohort):
+        strategy.check_cohort(clients_per_round)
+
+
+def weight_key(strategy: object) -> str:
+    """The reply metric a Flower strategy weights by (``num-examples`` unless it says otherwise)."""
+    return str(getattr(strategy, "weighted_by_key", keys.NUM_EXAMPLES))
+
+
+def train_metrics(strategy: object, replies: Iterable[Message], key: str) -> MetricRecord | None:
+    """The strategy's own aggregation of train metrics (Flower's ``train_metrics_aggr_fn``), weighted by ``key``.
+
+    None when the strategy has no such function.
+    """
+    aggr = getattr(strategy, "train_metrics_aggr_fn", None)
+    return aggr([m.content for m in replies], key) if callable(aggr) else None
+
+
+class _Unpickler(_pickle.Unpickler):
+    """Reads strategies pickled by checkpoint format 1, when they were a top-level ``strategies`` package."""
+
+    def find_class(self, module: str, name: str):
+        if module == "strategies" or module.startswith("strategies."):
+            module = "fedsim." + module
+        return super().find_class(module, name)
+
+
+def pickle(strategy: object) -> bytes:
+    """A strategy without ``state_dict`` as checkpoints keep it."""
+    return _pickle.dumps(strategy)
+
+
+def unpickle(data: bytes) -> Any:
+    """The strategy :func:`pickle` wrote (also one written before strategies moved into ``fedsim``)."""
+    return _Unpickler(io.BytesIO(data)).load()
