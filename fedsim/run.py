@@ -238,6 +238,7 @@ def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = 
                 "target_round": reached.get("round"),
                 "target_sim_time": reached.get("sim_time"),
                 "target_wall_time": reached.get("wall_time"),
+                **base.summary_fields(strategy),
                 "config": OmegaConf.to_container(cfg, resolve=True),
                 "versions": versions(),
             }

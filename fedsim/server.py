@@ -24,6 +24,7 @@ from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
 from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
+from fedsim.strategies import base
 from fedsim.training import examples_processed, steps_within
 
 log = logging.getLogger("fedsim")
@@ -171,7 +172,9 @@ def run_sync(
         state.rollback = checkpoint.mark(state, strategy)  # an interrupt in this round returns here
         rnd = state.round + 1
         t0 = time.perf_counter()
-        cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
+        cohort = base.sample_cohort(strategy, rnd, loop.num_clients, loop.clients_per_round)
+        if cohort is None:
+            cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
         plans = {p.pid: p for p in plan_round(clock, work, cohort, rnd)}
         sent = [p for p in cohort if plans[p].fate in ("train", "partial")]
         view = SampledGrid(grid, [node_of[p] for p in sent])

@@ -22,6 +22,9 @@ COLUMNS = (
     "target_round",
     "target_sim_time",
     "final_epsilon",
+    "delta",
+    "accountant",
+    "sampling",
     "error",
 )
 

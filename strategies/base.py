@@ -20,6 +20,8 @@ capability                    meaning
 :class:`SamplesCohort`        ``sample_cohort(server_round, num_clients, clients_per_round)`` returns the
                               round's partition ids, replacing the loop's uniform draw (e.g. DP's Poisson
                               sampling, which the privacy accountant must match).
+:class:`ReportsSummary`       ``summary_fields()`` returns entries for summary.json (e.g. the privacy
+                              guarantee: epsilon, delta, accountant, sampling).
 ============================  ===============================================================================
 """
 
@@ -59,6 +61,13 @@ class SamplesCohort(Protocol):
     def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int]: ...
 
 
+@runtime_checkable
+class ReportsSummary(Protocol):
+    """A strategy with something to say in summary.json."""
+
+    def summary_fields(self) -> dict[str, Any]: ...
+
+
 def is_async(strategy: object) -> bool:
     """True for an asynchronous strategy (run by ``fedsim.async_server``)."""
     return isinstance(strategy, AsyncStrategy)
@@ -73,6 +82,20 @@ def check_cohort(strategy: object, clients_per_round: int) -> None:
     """Let a strategy that needs a minimum cohort refuse ``clients_per_round`` (``ConfigError``)."""
     if isinstance(strategy, ChecksCohort):
         strategy.check_cohort(clients_per_round)
+
+
+def sample_cohort(
+    strategy: object, server_round: int, num_clients: int, clients_per_round: int
+) -> list[int] | None:
+    """The strategy's own cohort for ``server_round`` (sorted partition ids), or None to let the loop draw it."""
+    if isinstance(strategy, SamplesCohort):
+        return sorted(int(p) for p in strategy.sample_cohort(server_round, num_clients, clients_per_round))
+    return None
+
+
+def summary_fields(strategy: object) -> dict[str, Any]:
+    """The strategy's entries for summary.json (empty when it has none)."""
+    return dict(strategy.summary_fields()) if isinstance(strategy, ReportsSummary) else {}
 
 
 def weight_key(strategy: object) -> str:
