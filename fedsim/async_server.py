@@ -33,11 +33,14 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim import checkpoint, keys
+from fedsim import checkpoint, keys, schema
 from fedsim.clock import Heterogeneity
 from fedsim.errors import RunError
 from fedsim.grid_utils import screen_replies
-from fedsim.server import LoopConfig, RunState, Workload, connect_sizes, failure_fields, record_initial
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
+from fedsim.server import Workload, connect_sizes, failure_fields, record_initial
+from fedsim.state import LoopConfig, RunState
 
 log = logging.getLogger("fedsim")
 
@@ -76,7 +79,7 @@ def choose_client(seed: int, task: int, num_clients: int, busy: set[int]) -> int
     Rejection sampling over the whole population, so the cost does not grow with it (at least one client
     is idle whenever the loop asks).
     """
-    rng = np.random.default_rng([seed, 21, task])
+    rng = seeded_rng(seed, Purpose.ASYNC_TASK, task)
     while (pid := int(rng.integers(num_clients))) in busy:
         pass
     return pid
@@ -87,7 +90,7 @@ def _to_state_dicts(parts: dict) -> dict:
 
 
 class _Snapshot:
-    """Stands in ``RunState.extra`` for the loop's state; pickled (by a checkpoint) as ``AsyncLoop.snapshot()``.
+    """Stands in ``RunState.async_loop`` for the loop's state; pickled (by a checkpoint) as ``AsyncLoop.snapshot()``.
 
     Converting the start models of tasks in flight costs a copy, so it is done only when a checkpoint is written.
     """
@@ -302,30 +305,30 @@ class AsyncLoop:
         """The metrics.jsonl line of the version just published; resets the pending statistics."""
         p = self.pending
         rec: dict = {
-            "round": self.state.round,
-            "sim_time": self.state.sim_time,
-            "num_clients": len(p.staleness),
-            "train_loss": float(np.mean(p.losses)) if p.losses else None,
-            "staleness_mean": float(np.mean(p.staleness)),
-            "staleness_max": int(max(p.staleness)),
-            "dropped_stale": p.dropped_stale,
+            schema.ROUND: self.state.round,
+            schema.SIM_TIME: self.state.sim_time,
+            schema.NUM_CLIENTS: len(p.staleness),
+            schema.TRAIN_LOSS: float(np.mean(p.losses)) if p.losses else None,
+            schema.STALENESS_MEAN: float(np.mean(p.staleness)),
+            schema.STALENESS_MAX: int(max(p.staleness)),
+            schema.DROPPED_STALE: p.dropped_stale,
             **failure_fields(p.failures, f"version {self.state.round}", "task"),
         }
         if p.dropped_out:
-            rec["dropped_out"] = p.dropped_out
+            rec[schema.DROPPED_OUT] = p.dropped_out
         if p.dropped_late:
-            rec["dropped_late"] = p.dropped_late
+            rec[schema.DROPPED_LATE] = p.dropped_late
         self.totals.update(
             {
                 "updates": len(p.staleness),
-                "dropped_stale": p.dropped_stale,
-                "failures": len(p.failures),
-                "dropped_out": p.dropped_out,
-                "dropped_late": p.dropped_late,
+                schema.DROPPED_STALE: p.dropped_stale,
+                schema.FAILURES: len(p.failures),
+                schema.DROPPED_OUT: p.dropped_out,
+                schema.DROPPED_LATE: p.dropped_late,
             }
         )
-        rec["updates_total"] = self.totals["updates"]
-        rec["round_time"] = time.perf_counter() - wall_start
+        rec[schema.UPDATES_TOTAL] = self.totals["updates"]
+        rec[schema.ROUND_TIME] = time.perf_counter() - wall_start
         self.pending = Pending()
         return rec
 
@@ -382,16 +385,16 @@ def run_async(
     if wall_clock is None:
         wall_clock = strategy.wall_clock
     run = AsyncLoop(grid, loop, strategy, state, spec, clock, wall_clock)
-    if state.round == 0 and "async" not in state.extra:
+    if state.round == 0 and state.async_loop is None:
         record_initial(state, evaluate_fn, on_round)
-    if "async" in state.extra:
-        run.restore(state.extra["async"])
+    if state.async_loop is not None:
+        run.restore(state.async_loop)
     wall_start = time.perf_counter()
     if state.round < loop.num_rounds:
         run.fill()
     state.rollback = checkpoint.mark(state, strategy, _Frozen(run.parts()))  # an interrupt returns here
     try:
-        while state.round < loop.num_rounds and not state.extra.get("stop_reason"):
+        while state.round < loop.num_rounds and not state.stop_reason:
             run.fill()
             t, reply = run.next_event()
             if not run.handle(t, reply):
@@ -409,14 +412,13 @@ def run_async(
             run.forget_unused_models()
             record = run.record(wall_start)
             if state.round % loop.eval_every == 0 or state.round == loop.num_rounds:
-                record["eval_loss"], record["eval_accuracy"] = evaluate_fn(state.arrays)
-            state.extra["async"] = _Snapshot(run)
+                record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = evaluate_fn(state.arrays)
+            state.async_loop = _Snapshot(run)
             on_round(record, state)
-            if state.round < loop.num_rounds and not state.extra.get("stop_reason"):
+            if state.round < loop.num_rounds and not state.stop_reason:
                 run.fill()  # the next tasks are part of the continuation an interrupt returns to
             state.rollback = checkpoint.mark(state, strategy, _Frozen(run.parts()))
             wall_start = time.perf_counter()
     finally:
-        state.extra["async"] = run.snapshot()
-        state.extra["async_totals"] = dict(run.totals)
+        state.async_loop = run.snapshot()
     return state

@@ -22,7 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.faults import FaultRates
+from fedsim.groups import typed
 from fedsim.models import build_model
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
 from fedsim.strategies import base
 from fedsim.training import LocalTraining
 
@@ -141,7 +144,7 @@ def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
     spec = json.loads(spec_key)
     ds = build_dataset(spec)
     fn = _instantiate("partitioner", OmegaConf.create(spec["partitioner"]))
-    rng = np.random.default_rng([int(spec["seed"]), 7])
+    rng = seeded_rng(int(spec["seed"]), Purpose.PARTITION)
     try:
         parts = fn(ds.y_train, int(spec["num_clients"]), rng, groups=ds.groups)
     except ConfigError as e:
@@ -149,7 +152,7 @@ def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
     train, val = [], []
     for pid, idx in enumerate(parts):
         t, v = split_train_val(
-            idx, float(spec["val_fraction"]), np.random.default_rng([int(spec["seed"]), 8, pid])
+            idx, float(spec["val_fraction"]), seeded_rng(int(spec["seed"]), Purpose.TRAIN_VAL_SPLIT, pid)
         )
         train.append(t)
         val.append(v)
@@ -178,8 +181,7 @@ def build_initial_model(spec: dict) -> torch.nn.Module:
 
 def local_training(spec: dict) -> LocalTraining:
     """The client's local optimiser settings from the ``client`` section."""
-    c = spec["client"]
-    return LocalTraining(**{k: c[k] for k in LocalTraining.__dataclass_fields__ if k in c})
+    return typed("client", LocalTraining, spec["client"])
 
 
 @dataclass
@@ -200,7 +202,7 @@ class ClientTask:
 
 def fault_rates(spec: dict) -> FaultRates | None:
     """Injected-fault rates from the ``faults`` section (None when all are zero)."""
-    rates = FaultRates(**(spec.get("faults") or {}))
+    rates = typed("faults", FaultRates, spec.get("faults") or {})
     return rates if any(vars(rates).values()) else None
 
 
@@ -243,13 +245,22 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
     )
 
 
+# A key of the strategy's YAML that the loop owns: the share of a round's cohort asked to evaluate.
+LOOP_OWNED_STRATEGY_KEY = "fraction_evaluate"
+
+
 def build_strategy(cfg: DictConfig, clients_per_round: int):
-    """The server strategy from ``strategy=``, wrapped by ``clipping=`` when one is chosen."""
-    # fedsim samples the cohort itself and hands the strategy a view holding only the sampled nodes, so the
-    # strategy must send to all of them; federated evaluation uses the same cohort when it is switched on.
+    """The server strategy from ``strategy=``, wrapped by ``clipping=`` when one is chosen.
+
+    fedsim samples the cohort (and, with ``federated_eval``, the evaluators: ``strategy.fraction_evaluate`` of
+    it, read by the loop alone) and hands the strategy a view holding only the sampled nodes, so the strategy
+    is built to send to every node it is given.
+    """
+    node = OmegaConf.to_container(cfg.strategy, resolve=True)
+    node.pop(LOOP_OWNED_STRATEGY_KEY, None)
     strategy = _instantiate(
         "strategy",
-        cfg.strategy,
+        OmegaConf.create(node),
         fraction_train=1.0,
         min_train_nodes=1,
         min_available_nodes=1,

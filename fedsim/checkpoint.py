@@ -104,7 +104,7 @@ def save(path: Path, state, strategy, records: list[dict], config: dict | None =
             "format": FORMAT,
             "round": state.round,
             "sim_time": state.sim_time,
-            "extra": state.extra,
+            "extra": state.carried(),
             "arrays": state.arrays.to_torch_state_dict(),
             **_strategy_fields(strategy),
             "records": records,
@@ -142,8 +142,7 @@ def restore(ckpt: dict, state, strategy):
     state.arrays = arrays if isinstance(arrays, ArrayRecord) else ArrayRecord(arrays)
     state.round = int(ckpt["round"])
     state.sim_time = float(ckpt["sim_time"])
-    state.extra = dict(ckpt.get("extra") or {})
-    state.extra.pop("stop_reason", None)  # why the checkpointed run stopped is not a reason to stop this one
+    state.carry(ckpt.get("extra") or {})
     if ckpt.get("strategy_state") is not None:
         strategy.load_state_dict(ckpt["strategy_state"])
         return strategy
@@ -157,9 +156,7 @@ def mark(state, strategy, loop_state=None) -> dict:
     continuation (the async loop's tasks in flight), kept as ``extra["async"]``. Cheap: the model is
     referenced (records are replaced, never changed in place), the strategy state copied.
     """
-    extra = copy.deepcopy({k: v for k, v in state.extra.items() if k != "async"})
-    if loop_state is not None:
-        extra["async"] = loop_state
+    extra = {**state.carried(), "async": loop_state}
     return {
         "round": state.round,
         "sim_time": state.sim_time,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -16,6 +15,7 @@ from flwr.clientapp import ClientApp
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.faults import SimulatedTimeout
+from fedsim.messages import parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
 from fedsim.training import evaluate, train_local
 
@@ -55,40 +55,39 @@ def _clip_to(task: ClientTask, start: dict[str, torch.Tensor], clip_norm: float)
 def train(msg: Message, context: Context) -> Message:
     """Train on the local partition from the received global model."""
     task = _task(msg, context)
-    cfg = msg.content[keys.CONFIG]
+    ins = parse_train(msg.content[keys.CONFIG])
     _load(task, msg.content[keys.ARRAYS])
-    # the draw index: the round in synchronous FL, the task index in the asynchronous loop
-    rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
-    gen = torch.Generator().manual_seed(
-        int(np.random.SeedSequence([task.seed, 3, rnd, task.partition_id]).generate_state(1)[0])
+    start = (
+        {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+        if ins.clip_norm is not None
+        else None
     )
-    clip = float(cfg[keys.CLIP_NORM]) if keys.CLIP_NORM in cfg else None
-    start = {k: v.detach().clone() for k, v in task.model.state_dict().items()} if clip is not None else None
     loss, steps, seen = train_local(
         task.model,
         task.x_train,
         task.y_train,
         task.local,
-        gen,
-        proximal_mu=float(cfg.get(keys.PROXIMAL_MU, 0.0)),
-        max_steps=int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None,
+        ins.generator(task.seed, task.partition_id),
+        proximal_mu=ins.proximal_mu,
+        max_steps=ins.max_steps,
     )
-    metrics = {
-        keys.NUM_EXAMPLES: int(task.x_train.shape[0]),
-        keys.TRAIN_LOSS: loss,
-        keys.PARTITION_ID: task.partition_id,
-        keys.NUM_STEPS: steps,
-        keys.EXAMPLES_PROCESSED: seen,
-    }
-    if clip is not None:
-        norm, clipped = _clip_to(task, start, clip)
-        metrics[keys.UPDATE_NORM] = norm
-        metrics[keys.CLIPPED] = float(clipped)
+    extra = {}
+    if ins.clip_norm is not None:
+        norm, clipped = _clip_to(task, start, ins.clip_norm)
+        extra = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(clipped)}
     state = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
     if task.faults is not None:
-        state = _inject(task, rnd, state)
-    content = RecordDict({keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)})
-    return Message(content, reply_to=msg)
+        state = _inject(task, ins.draw_index, state)
+    return train_reply(
+        msg,
+        state,
+        num_examples=int(task.x_train.shape[0]),
+        loss=loss,
+        partition_id=task.partition_id,
+        steps=steps,
+        examples_processed=seen,
+        extra=extra,
+    )
 
 
 def _inject(task: ClientTask, rnd: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

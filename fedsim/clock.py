@@ -26,21 +26,20 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from fedsim.checks import is_number, number
 from fedsim.errors import ConfigError
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
 
 SPEED_DISTRIBUTIONS = ("constant", "uniform", "lognormal", "exponential", "list")
 
 
 def _nonneg(key: str, val: float) -> float:
-    if isinstance(val, bool) or not isinstance(val, (int, float)) or not math.isfinite(val) or val < 0:
-        raise ConfigError(key, val, "a finite number >= 0")
-    return float(val)
+    return number(key, val, 0.0, what="a finite number >= 0")
 
 
 def _prob(key: str, val: float) -> float:
-    if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0.0 <= val <= 1.0:
-        raise ConfigError(key, val, "a probability in [0, 1]")
-    return float(val)
+    return number(key, val, 0.0, 1.0, what="a probability in [0, 1]")
 
 
 def draw_speeds(
@@ -55,7 +54,7 @@ def draw_speeds(
     """Per-client speeds (work units per simulated second, relative to 1.0), seeded by ``(seed, 11)``."""
     if speed not in SPEED_DISTRIBUTIONS:
         raise ConfigError("speed", speed, f"one of {', '.join(SPEED_DISTRIBUTIONS)}")
-    rng = np.random.default_rng([seed, 11])
+    rng = seeded_rng(seed, Purpose.CLIENT_SPEED)
     if speed == "constant":
         return np.ones(num_clients)
     if speed == "uniform":
@@ -70,9 +69,7 @@ def draw_speeds(
             raise ConfigError("low", low, "a number > 0 (the slowest allowed speed)")
         return np.maximum(rng.exponential(1.0, num_clients), low)
     vals = list(speeds or [])
-    if not vals or any(
-        isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf for v in vals
-    ):
+    if not vals or not all(is_number(v) and 0 < v < math.inf for v in vals):
         raise ConfigError("speeds", vals or speeds, "a non-empty list of finite speeds > 0")
     return np.resize(np.asarray(vals, dtype=float), num_clients)
 
@@ -131,17 +128,17 @@ class Heterogeneity:
         self.network_delay = _nonneg("network_delay", network_delay)
         self.straggler_prob = _prob("straggler_prob", straggler_prob)
         self.dropout_prob = _prob("dropout_prob", dropout_prob)
-        if (
-            isinstance(straggler_slowdown, bool)
-            or not isinstance(straggler_slowdown, (int, float))
-            or not (1.0 <= straggler_slowdown < math.inf)
-        ):
-            raise ConfigError("straggler_slowdown", straggler_slowdown, "a finite number >= 1")
-        self.straggler_slowdown = float(straggler_slowdown)
-        if deadline is not None and (
-            isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not deadline > 0
-        ):
-            raise ConfigError("deadline", deadline, "null (no deadline) or a number of simulated seconds > 0")
+        self.straggler_slowdown = number(
+            "straggler_slowdown", straggler_slowdown, 1.0, what="a finite number >= 1"
+        )
+        number(
+            "deadline",
+            deadline,
+            0.0,
+            lo_open=True,
+            allow_none=True,
+            what="null (no deadline) or a number of simulated seconds > 0",
+        )
         self.deadline = None if deadline is None else float(deadline)
         self.partial_work = bool(partial_work)
         self.seed = int(seed)
@@ -152,13 +149,15 @@ class Heterogeneity:
         """Whether task ``task`` of client ``partition_id`` runs ``straggler_slowdown`` times slower."""
         if self.straggler_prob == 0.0:
             return False
-        return bool(np.random.default_rng([self.seed, 13, partition_id, task]).random() < self.straggler_prob)
+        return bool(
+            seeded_rng(self.seed, Purpose.STRAGGLER, partition_id, task).random() < self.straggler_prob
+        )
 
     def drops(self, partition_id: int, task: int) -> bool:
         """Whether client ``partition_id`` never replies to task ``task``."""
         if self.dropout_prob == 0.0:
             return False
-        return bool(np.random.default_rng([self.seed, 12, partition_id, task]).random() < self.dropout_prob)
+        return bool(seeded_rng(self.seed, Purpose.DROPOUT, partition_id, task).random() < self.dropout_prob)
 
     # ------------------------------------------------------------------ durations
     def compute_time(self, partition_id: int, examples: int, task: int | None = None) -> float:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
+from fedsim.checks import number
 from fedsim.errors import ConfigError
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
 
 KINDS = ("error", "timeout", "nan", "shape", "dtype")
 
@@ -32,15 +33,13 @@ class FaultRates:
 
     def __post_init__(self) -> None:
         for k in KINDS:
-            v = getattr(self, k)
-            if not 0.0 <= v <= 1.0:
-                raise ConfigError(f"faults.{k}", v, "a probability in [0, 1]")
+            number(f"faults.{k}", getattr(self, k), 0.0, 1.0, what="a probability in [0, 1]")
         if sum(getattr(self, k) for k in KINDS) > 1.0:
             raise ConfigError("faults", {k: getattr(self, k) for k in KINDS}, "rates that sum to at most 1")
 
     def draw(self, seed: int, rnd: int, partition_id: int) -> str | None:
         """The fault kind for this task, or None."""
-        u = np.random.default_rng([seed, 9, rnd, partition_id]).random()
+        u = seeded_rng(seed, Purpose.FAULTS, rnd, partition_id).random()
         edge = 0.0
         for k in KINDS:
             edge += getattr(self, k)

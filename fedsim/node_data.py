@@ -29,6 +29,8 @@ import torch
 
 from fedsim import build, keys
 from fedsim.errors import ConfigError
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
 
 TRAIN_FILE = "train.npz"
 VAL_FILE = "val.npz"
@@ -140,7 +142,9 @@ def load_node_data(
         return x, y, xv, yv
     from fedsim.data.partition import split_train_val
 
-    t, v = split_train_val(np.arange(len(x)), val_fraction, np.random.default_rng([seed, 8, partition_id]))
+    t, v = split_train_val(
+        np.arange(len(x)), val_fraction, seeded_rng(seed, Purpose.TRAIN_VAL_SPLIT, partition_id)
+    )
     return x[t], y[t], x[v], y[v]
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from fedsim import schema
+
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file and a rename, so readers never see half a file."""
@@ -47,7 +49,7 @@ class Recorder:
         self.num_rounds = num_rounds
         self.quiet = quiet
         self.records: list[dict] = list(records or [])  # a resumed run starts with the rounds already done
-        offset = self.records[-1]["wall_time"] if self.records else 0.0
+        offset = self.records[-1][schema.WALL_TIME] if self.records else 0.0
         self.t0 = time.perf_counter() - offset
         self._metrics = open(self.out_dir / "metrics.jsonl", "w", encoding="utf-8")
         self._rewrite()
@@ -62,7 +64,11 @@ class Recorder:
 
     def log(self, record: dict) -> None:
         """Append one record to metrics.jsonl (flushed at once) and print the progress line."""
-        record = {"round": record["round"], "wall_time": time.perf_counter() - self.t0, **record}
+        record = {
+            schema.ROUND: record[schema.ROUND],
+            schema.WALL_TIME: time.perf_counter() - self.t0,
+            **record,
+        }
         record = {k: _clean(v) for k, v in record.items()}
         self.records.append(record)
         self._metrics.write(json.dumps(record) + "\n")
@@ -80,20 +86,20 @@ class Recorder:
     def progress_line(self, r: dict) -> str:
         """``[round 5/30] acc 0.873  loss 0.412  clients 10  sim 12.3s  elapsed 3.2s`` (+ extras)."""
         parts = [f"[round {r['round']:>{len(str(self.num_rounds))}}/{self.num_rounds}]"]
-        if r.get("eval_accuracy") is not None:
+        if r.get(schema.EVAL_ACCURACY) is not None:
             parts.append(f"acc {r['eval_accuracy']:.4f}  loss {r['eval_loss']:.4f}")
-        if r.get("train_loss") is not None:
+        if r.get(schema.TRAIN_LOSS) is not None:
             parts.append(f"train_loss {r['train_loss']:.4f}")
         parts.append(f"clients {r.get('num_clients', 0)}")
         for key, fmt in (
-            ("failures", "{}"),
-            ("clip_norm", "{:.3g}"),
-            ("epsilon", "{:.3g}"),
-            ("staleness_mean", "{:.2f}"),
+            (schema.FAILURES, "{}"),
+            (schema.CLIP_NORM, "{:.3g}"),
+            (schema.EPSILON, "{:.3g}"),
+            (schema.STALENESS_MEAN, "{:.2f}"),
         ):
             if r.get(key):
                 parts.append(f"{key} " + fmt.format(r[key]))
-        if r.get("skipped"):
+        if r.get(schema.SKIPPED):
             parts.append("SKIPPED")
         parts.append(f"sim {r.get('sim_time', 0.0):.1f}s  elapsed {r['wall_time']:.1f}s")
         return "  ".join(parts)
@@ -104,22 +110,22 @@ class Recorder:
 
     def summary(self, extra: dict) -> dict:
         """Final and best metrics over the recorded rounds, plus ``extra`` (config choices, versions...)."""
-        evals = [r for r in self.records if r.get("eval_accuracy") is not None]
+        evals = [r for r in self.records if r.get(schema.EVAL_ACCURACY) is not None]
         last = self.records[-1] if self.records else {}
-        best = max(evals, key=lambda r: r["eval_accuracy"], default={})
+        best = max(evals, key=lambda r: r[schema.EVAL_ACCURACY], default={})
         final_eval = evals[-1] if evals else {}
         return {
-            "rounds_done": last.get("round", 0),
-            "final_eval_accuracy": final_eval.get("eval_accuracy"),
-            "final_eval_loss": final_eval.get("eval_loss"),
-            "best_eval_accuracy": best.get("eval_accuracy"),
-            "best_round": best.get("round"),
-            "final_train_loss": last.get("train_loss"),
-            "sim_time": last.get("sim_time"),
-            "wall_time": time.perf_counter() - self.t0,
-            "total_failures": sum(int(r.get("failures") or 0) for r in self.records),
+            "rounds_done": last.get(schema.ROUND, 0),
+            "final_eval_accuracy": final_eval.get(schema.EVAL_ACCURACY),
+            "final_eval_loss": final_eval.get(schema.EVAL_LOSS),
+            "best_eval_accuracy": best.get(schema.EVAL_ACCURACY),
+            "best_round": best.get(schema.ROUND),
+            "final_train_loss": last.get(schema.TRAIN_LOSS),
+            schema.SIM_TIME: last.get(schema.SIM_TIME),
+            schema.WALL_TIME: time.perf_counter() - self.t0,
+            "total_failures": sum(int(r.get(schema.FAILURES) or 0) for r in self.records),
             "final_epsilon": next(
-                (r["epsilon"] for r in reversed(self.records) if r.get("epsilon") is not None), None
+                (r[schema.EPSILON] for r in reversed(self.records) if r.get(schema.EPSILON) is not None), None
             ),
             **extra,
         }
@@ -140,20 +146,22 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = [r for r in records if r.get("eval_accuracy") is not None]
+    ev = [r for r in records if r.get(schema.EVAL_ACCURACY) is not None]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
     for row, xkey, xlabel in (
-        (0, "round", "round (server model version)"),
-        (1, "sim_time", "simulated time (s)"),
+        (0, schema.ROUND, "round (server model version)"),
+        (1, schema.SIM_TIME, "simulated time (s)"),
     ):
         xs = [r.get(xkey, 0.0) for r in ev]
-        axes[row, 0].plot(xs, [r["eval_accuracy"] for r in ev], marker=".")
+        axes[row, 0].plot(xs, [r[schema.EVAL_ACCURACY] for r in ev], marker=".")
         axes[row, 0].set(xlabel=xlabel, ylabel="eval accuracy")
-        axes[row, 1].plot(xs, [r["eval_loss"] for r in ev], marker=".", color="tab:red", label="eval loss")
-        tr = [r for r in records if r.get("train_loss") is not None]
+        axes[row, 1].plot(
+            xs, [r[schema.EVAL_LOSS] for r in ev], marker=".", color="tab:red", label="eval loss"
+        )
+        tr = [r for r in records if r.get(schema.TRAIN_LOSS) is not None]
         axes[row, 1].plot(
             [r.get(xkey, 0.0) for r in tr],
-            [r["train_loss"] for r in tr],
+            [r[schema.TRAIN_LOSS] for r in tr],
             color="tab:gray",
             label="train loss",
         )

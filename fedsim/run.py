@@ -1,28 +1,201 @@
-"""One experiment from a composed config: build, run on the chosen engine, write the run folder."""
+"""One experiment from a composed config, in four phases: build, open the run folder, loop, finish.
+
+``run_experiment`` reads top to bottom:
+
+1. :func:`fedsim.experiment.build_experiment` turns the config into objects and checks every value;
+   :class:`fedsim.engines.EngineRunner` checks what the chosen engine can check without running.
+   Nothing has been written yet, so a bad config leaves no run folder behind.
+2. :class:`Run` opens the run folder: partition statistics, the resumed checkpoint if any, the recorder, and
+   the round hooks (target accuracy, periodic checkpoints).
+3. :meth:`Run.execute` runs the synchronous or asynchronous loop on the engine. An interrupt (Ctrl-C) rolls
+   back to the end of the last completed round and writes a checkpoint, so a resume repeats nothing.
+4. :meth:`Run.finish` writes model.pt, curves.png and summary.json, whatever happened before.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 from pathlib import Path
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
-from omegaconf import DictConfig, OmegaConf
+from flwr.serverapp import Grid
+from omegaconf import DictConfig
 
-from fedsim import __version__, build, checkpoint
-from fedsim.engines import LOCAL_ENGINES, local_grid
-from fedsim.errors import ConfigError
+from fedsim import __version__, checkpoint, schema
+from fedsim.engines import EngineRunner
+from fedsim.experiment import Experiment, build_experiment
 from fedsim.recorder import Recorder, atomic_torch_save
-from fedsim.server import LoopConfig, RunState, run_sync
+from fedsim.server import run_sync
+from fedsim.state import RunState, TargetReached
 from fedsim.strategies import base
-from fedsim.training import evaluate
-from fedsim.validate import clients_per_round, validate
 
 log = logging.getLogger("fedsim")
+
+
+def run_experiment(
+    cfg: DictConfig, out_dir: str | Path, choices: dict | None = None, grid: Grid | None = None
+) -> dict:
+    """Run the experiment ``cfg``, write its outputs to ``out_dir`` and return its summary.
+
+    ``grid`` is given by a deployed ServerApp (the SuperLink's Grid); otherwise ``cfg.engine`` picks the engine.
+    """
+    exp = build_experiment(cfg, deployed=grid is not None)
+    engine = EngineRunner(exp.engine, exp.placement, exp.loop.num_clients, grid)
+    run = Run(exp, Path(out_dir), choices or {})
+    status = "failed"
+    try:
+        status = run.execute(engine)
+    finally:
+        summary = run.finish(status, engine.name)
+    return summary
+
+
+class TargetWatch:
+    """Round hook: note the first round whose evaluation reaches ``target_accuracy``; optionally stop there."""
+
+    def __init__(self, target: float | None, stop: bool) -> None:
+        self.target, self.stop = target, stop
+
+    def __call__(self, record: dict, state: RunState, wall_time: float) -> None:
+        acc = record.get(schema.EVAL_ACCURACY)
+        if self.target is None or acc is None or acc < self.target or state.target_reached is not None:
+            return
+        sim = record.get(schema.SIM_TIME)
+        state.target_reached = TargetReached(self.target, record[schema.ROUND], sim, wall_time)
+        log.warning(
+            "target accuracy %.4g reached at round %d (simulated time %.1f s)",
+            self.target,
+            record[schema.ROUND],
+            sim or 0.0,
+        )
+        if self.stop:
+            state.stop_reason = f"target accuracy {self.target} reached"
+
+
+class Run:
+    """One experiment's run folder and the state of its loop (see the module docstring)."""
+
+    def __init__(self, exp: Experiment, out_dir: Path, choices: dict) -> None:
+        self.exp, self.out_dir, self.choices = exp, out_dir, choices
+        self.strategy = exp.strategy
+        self.state = RunState(arrays=ArrayRecord(exp.initial_model.state_dict()))
+        cfg = exp.cfg
+        records: list[dict] = []
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_partition_stats(out_dir, exp.train_partitions, exp.dataset.y_train, exp.dataset.num_classes)
+        self.watch = TargetWatch(cfg.get("target_accuracy"), bool(cfg.get("stop_at_target")))
+        if cfg.get("resume"):
+            records = self._resume(str(cfg.resume))
+        self.recorder = Recorder(
+            out_dir, exp.loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records
+        )
+        self.every = int(cfg.get("checkpoint_every") or 0)
+        self.ckpt_path = out_dir / "checkpoint.pt"
+
+    def _resume(self, path: str) -> list[dict]:
+        ckpt = checkpoint.load(path)
+        checkpoint.check_config(ckpt, self.exp.resolved, path)
+        self.strategy = checkpoint.restore(ckpt, self.state, self.strategy)
+        if self.state.target_reached is not None and self.state.target_reached.target != self.watch.target:
+            self.state.target_reached = None  # reached for another target
+        log.warning("resuming from %s at round %d", path, self.state.round)
+        return ckpt["records"]
+
+    # ------------------------------------------------------------------ the loop
+    def on_round(self, record: dict, state: RunState) -> None:
+        """After every round (or server model version): record, watch the target, checkpoint periodically."""
+        self.recorder.log(record)
+        self.watch(record, state, self.recorder.records[-1][schema.WALL_TIME])
+        last = self.exp.loop.num_rounds
+        if self.every and state.round > 0 and (state.round % self.every == 0 or state.round == last):
+            self.save_checkpoint()
+
+    def save_checkpoint(self, records: list[dict] | None = None) -> None:
+        """checkpoint.pt of the current state (and the records up to it)."""
+        records = self.recorder.records if records is None else records
+        checkpoint.save(self.ckpt_path, self.state, self.strategy, records, self.exp.resolved)
+
+    def server_main(self, grid: Grid, deployed: bool) -> None:
+        """The synchronous or asynchronous loop on ``grid``."""
+        e = self.exp
+        if base.is_async(self.strategy):
+            from fedsim.async_server import run_async
+
+            wall = True if deployed else None  # deployment: real arrival order and wall-clock time
+            args = (
+                grid,
+                e.loop,
+                self.strategy,
+                self.state,
+                e.spec_json,
+                e.evaluate_fn,
+                e.clock,
+                self.on_round,
+            )
+            run_async(*args, wall_clock=wall)
+        else:
+            run_sync(
+                grid, e.loop, self.strategy, self.state, e.spec_json, e.evaluate_fn, e.clock, self.on_round
+            )
+
+    def execute(self, engine: EngineRunner) -> str:
+        """Run the loop on ``engine``; return the status (``completed``, ``stopped`` or ``interrupted``)."""
+        try:
+            engine.run(lambda grid: self.server_main(grid, engine.deployed))
+            if self.state.stop_reason:
+                self._close_early_stop()
+                return "stopped"
+            return "completed"
+        except KeyboardInterrupt:
+            if self.state.rollback is not None:  # the end of the last completed round: resume repeats nothing
+                self.strategy = checkpoint.restore(self.state.rollback, self.state, self.strategy)
+            log.warning(
+                "interrupted: writing a checkpoint and the outputs of the %d rounds done", self.state.round
+            )
+            self.save_checkpoint([r for r in self.recorder.records if r[schema.ROUND] <= self.state.round])
+            return "interrupted"
+
+    def _close_early_stop(self) -> None:
+        """A stop before num_rounds: the final model is evaluated (eval_every or not) and checkpointed."""
+        records = self.recorder.records
+        if not records or records[-1][schema.ROUND] != self.state.round:
+            return
+        if records[-1].get(schema.EVAL_ACCURACY) is None:
+            loss, acc = self.exp.evaluate_fn(self.state.arrays)
+            self.recorder.amend({schema.EVAL_LOSS: loss, schema.EVAL_ACCURACY: acc})
+        if self.every:
+            self.save_checkpoint()
+
+    # ------------------------------------------------------------------ outputs
+    def finish(self, status: str, engine: str) -> dict:
+        """model.pt, curves.png and summary.json for a run that ended with ``status``; return the summary."""
+        rec = self.recorder
+        rec.close()
+        if rec.records:
+            atomic_torch_save(self.state.arrays.to_torch_state_dict(), self.out_dir / "model.pt")
+            rec.plot(title=" ".join(f"{k}={v}" for k, v in self.choices.items()))
+        reached = self.state.target_reached
+        summary = rec.summary(
+            {
+                "status": status,
+                "stop_reason": self.state.stop_reason,
+                "engine": engine,
+                "choices": self.choices,
+                "target_accuracy": self.watch.target,
+                "target_round": reached.round if reached else None,
+                "target_sim_time": reached.sim_time if reached else None,
+                "target_wall_time": reached.wall_time if reached else None,
+                **base.summary_fields(self.strategy),
+                "config": self.exp.resolved,
+                "versions": versions(),
+            }
+        )
+        rec.write_summary(summary)
+        return summary
 
 
 def versions() -> dict:
@@ -38,43 +211,6 @@ def versions() -> dict:
     }
 
 
-def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
-    """Refuse a cohort whose rough memory estimate exceeds what the machine (or GPU) has free.
-
-    Estimate: every sampled client's reply (one model copy each) plus a few global copies for aggregation and
-    the data set; on a GPU, the same for the clients' models and optimiser state.
-    """
-    model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-    need = model_bytes * (cohort + 4) + data_bytes
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return
-    where = "RAM"
-    if device.startswith("cuda") and torch.cuda.is_available():
-        avail, _ = torch.cuda.mem_get_info(torch.device(device))
-        where = "GPU memory"
-    if need > avail:
-        raise ConfigError(
-            "clients_per_round",
-            cohort,
-            f"a cohort that fits: about {need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB {where} free",
-            "Sample fewer clients per round or use a smaller model.",
-        )
-
-
-def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str):
-    """Centralised evaluation of global arrays on the server's test split."""
-    model = model.to(device)
-    xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
-
-    def evaluate_fn(arrays: ArrayRecord) -> tuple[float, float]:
-        model.load_state_dict(arrays.to_torch_state_dict())
-        return evaluate(model, xt, yt)
-
-    return evaluate_fn
-
-
 def write_partition_stats(
     out_dir: Path, train: list[np.ndarray], labels: np.ndarray, num_classes: int
 ) -> None:
@@ -84,164 +220,3 @@ def write_partition_stats(
     stats = partition_stats(train, labels, num_classes)
     (out_dir / "partitions.json").write_text(json.dumps(stats) + "\n")
     plot_partitions(stats, out_dir / "partitions.png")
-
-
-def run_experiment(cfg: DictConfig, out_dir: str | Path, choices: dict | None = None, grid=None) -> dict:
-    """Run the experiment ``cfg`` and write its outputs to ``out_dir``; return the summary.
-
-    ``grid`` is given by a deployed ServerApp (the SuperLink's Grid); otherwise ``cfg.engine`` picks the engine.
-    """
-    out_dir = Path(out_dir)
-    validate(cfg)
-    torch.set_num_threads(max(1, int(cfg.placement.threads_per_client)))
-    spec_json = build.client_spec(cfg, device=str(cfg.placement.device))
-    spec = json.loads(spec_json)
-    build.fault_rates(spec)  # validates the faults group before any work
-    ds = build.build_dataset(spec)
-    train, _ = build.build_partitions(spec)
-    m = clients_per_round(cfg)
-    strategy = build.build_strategy(cfg, m)
-    clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
-    model = build.build_initial_model(spec)
-    # deployed clients resolve placement.device on their own machines; only the server's device is checked here
-    client_device = "cpu" if grid is not None else build.resolve_device(str(cfg.placement.device))
-    check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, client_device)
-    server_device = build.resolve_device(str(cfg.placement.server_device), "placement.server_device")
-    evaluate_fn = make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device)
-    loop = LoopConfig(
-        seed=int(cfg.seed),
-        num_clients=int(cfg.num_clients),
-        num_rounds=int(cfg.num_rounds),
-        clients_per_round=m,
-        min_replies=int(cfg.min_replies),
-        round_timeout=float(cfg.round_timeout),
-        node_timeout=float(cfg.get("node_timeout", 300)),
-        eval_every=int(cfg.eval_every),
-        federated_eval=bool(cfg.federated_eval),
-        fraction_evaluate=float(cfg.strategy.get("fraction_evaluate", 1.0)),
-    )
-    if grid is None and str(cfg.engine.name) == "ray":  # Ray's own checks, before any output is written
-        from fedsim.engines import ray as ray_engine
-
-        backend = ray_engine.backend_config(
-            cfg.placement.num_cpus_per_client,
-            cfg.placement.num_gpus_per_client,
-            address=cfg.engine.get("address"),
-            num_cpus=cfg.engine.get("num_cpus"),
-            num_gpus=cfg.engine.get("num_gpus"),
-        )
-        ray_engine.preflight(backend)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    write_partition_stats(out_dir, train, ds.y_train, ds.num_classes)
-    state = RunState(arrays=ArrayRecord(model.state_dict()))
-    records: list[dict] = []
-    resolved = OmegaConf.to_container(cfg, resolve=True)
-    target = cfg.get("target_accuracy")
-    stop_at_target = bool(cfg.get("stop_at_target"))
-    if cfg.get("resume"):
-        ckpt = checkpoint.load(cfg.resume)
-        checkpoint.check_config(ckpt, resolved, str(cfg.resume))
-        strategy = checkpoint.restore(ckpt, state, strategy)
-        if (state.extra.get("target_reached") or {}).get("target") != target:
-            state.extra.pop("target_reached", None)  # reached for another target (or none)
-        records = ckpt["records"]
-        log.warning("resuming from %s at round %d", cfg.resume, state.round)
-    recorder = Recorder(out_dir, loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records)
-    every = int(cfg.get("checkpoint_every") or 0)
-    ckpt_path = out_dir / "checkpoint.pt"
-
-    def on_round(record: dict, st: RunState) -> None:
-        recorder.log(record)
-        acc = record.get("eval_accuracy")
-        if target is not None and acc is not None and acc >= target and "target_reached" not in st.extra:
-            st.extra["target_reached"] = {
-                "target": target,
-                "round": record["round"],
-                "sim_time": record.get("sim_time"),
-                "wall_time": recorder.records[-1]["wall_time"],
-            }
-            log.warning(
-                "target accuracy %.4g reached at round %d (simulated time %.1f s)",
-                target,
-                record["round"],
-                record.get("sim_time", 0.0),
-            )
-            if stop_at_target:
-                st.extra["stop_reason"] = f"target accuracy {target} reached"
-        if every and st.round > 0 and (st.round % every == 0 or st.round == loop.num_rounds):
-            checkpoint.save(ckpt_path, st, strategy, recorder.records, resolved)
-
-    deployed = grid is not None
-
-    def server_main(grid) -> None:
-        if base.is_async(strategy):
-            from fedsim.async_server import run_async
-
-            # deployment: real clients, real arrival order and wall-clock time
-            wall = True if deployed else None
-            run_async(grid, loop, strategy, state, spec_json, evaluate_fn, clock, on_round, wall_clock=wall)
-        else:
-            run_sync(grid, loop, strategy, state, spec_json, evaluate_fn, clock, on_round)
-
-    engine = "deployment" if grid is not None else str(cfg.engine.name)
-    status = "completed"
-    try:
-        if grid is not None:
-            server_main(grid)
-        elif engine in LOCAL_ENGINES:
-            local = local_grid(engine, int(cfg.num_clients), OmegaConf.to_container(cfg.engine, resolve=True))
-            try:
-                server_main(local)
-            finally:
-                getattr(local, "close", lambda: None)()  # stop worker processes, also after errors
-        elif engine == "ray":
-            ray_engine.run(int(cfg.num_clients), server_main, backend)
-        else:
-            raise ConfigError("engine", engine, f"one of {', '.join((*LOCAL_ENGINES, 'ray'))}")
-        if (
-            state.extra.get("stop_reason")
-            and recorder.records
-            and recorder.records[-1]["round"] == state.round
-        ):
-            # a stop before num_rounds: the final model is evaluated (eval_every or not) and checkpointed
-            if recorder.records[-1].get("eval_accuracy") is None:
-                loss, acc = evaluate_fn(state.arrays)
-                recorder.amend({"eval_loss": loss, "eval_accuracy": acc})
-            if every:
-                checkpoint.save(ckpt_path, state, strategy, recorder.records, resolved)
-    except KeyboardInterrupt:
-        status = "interrupted"
-        if state.rollback is not None:  # back to the end of the last completed round: resume repeats nothing
-            strategy = checkpoint.restore(state.rollback, state, strategy)
-        log.warning("interrupted: writing a checkpoint and the outputs of the %d rounds done", state.round)
-        checkpoint.save(
-            ckpt_path, state, strategy, [r for r in recorder.records if r["round"] <= state.round], resolved
-        )
-    except BaseException:
-        status = "failed"
-        raise
-    finally:
-        recorder.close()
-        if recorder.records:
-            atomic_torch_save(state.arrays.to_torch_state_dict(), out_dir / "model.pt")
-            recorder.plot(title=" ".join(f"{k}={v}" for k, v in (choices or {}).items()))
-        if status == "completed" and state.extra.get("stop_reason"):
-            status = "stopped"
-        reached = state.extra.get("target_reached") or {}
-        summary = recorder.summary(
-            {
-                "status": status,
-                "stop_reason": state.extra.get("stop_reason"),
-                "engine": engine,
-                "choices": choices or {},
-                "target_accuracy": target,
-                "target_round": reached.get("round"),
-                "target_sim_time": reached.get("sim_time"),
-                "target_wall_time": reached.get("wall_time"),
-                **base.summary_fields(strategy),
-                "config": OmegaConf.to_container(cfg, resolve=True),
-                "versions": versions(),
-            }
-        )
-        recorder.write_summary(summary)
-    return summary

@@ -13,55 +13,28 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim import checkpoint, keys
+from fedsim import checkpoint, keys, schema
 from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
 from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
+from fedsim.state import LoopConfig, RunState
 from fedsim.strategies import base
 from fedsim.training import examples_processed, steps_within
 
 log = logging.getLogger("fedsim")
 
 
-@dataclass(frozen=True)
-class LoopConfig:
-    """Knobs of the synchronous loop (plain values; no OmegaConf)."""
-
-    seed: int
-    num_clients: int
-    num_rounds: int
-    clients_per_round: int
-    min_replies: int = 1
-    round_timeout: float = 600.0
-    node_timeout: float = 300.0
-    eval_every: int = 1
-    federated_eval: bool = False
-    fraction_evaluate: float = 1.0  # share of the round's cohort asked to evaluate (federated_eval only)
-
-
-@dataclass
-class RunState:
-    """What the loop carries from round to round (and what a checkpoint would hold)."""
-
-    arrays: ArrayRecord
-    round: int = 0
-    sim_time: float = 0.0
-    extra: dict = field(default_factory=dict)  # loop-specific state (e.g. the async loop's bookkeeping)
-    rollback: dict | None = (
-        None  # checkpoint.mark() after the last completed round: where an interrupt returns
-    )
-
-
 def sample_cohort(seed: int, rnd: int, num_clients: int, size: int) -> list[int]:
     """Partition ids of round ``rnd``'s cohort: a seeded draw without replacement, sorted."""
-    rng = np.random.default_rng([seed, 1, rnd])
+    rng = seeded_rng(seed, Purpose.COHORT, rnd)
     return sorted(int(p) for p in rng.choice(num_clients, size=size, replace=False))
 
 
@@ -70,7 +43,7 @@ def sample_evaluators(seed: int, rnd: int, cohort: list[int], fraction: float) -
     size = min(len(cohort), max(1, math.ceil(fraction * len(cohort) - 1e-9)))
     if size == len(cohort):
         return list(cohort)
-    rng = np.random.default_rng([seed, 2, rnd])
+    rng = seeded_rng(seed, Purpose.EVALUATORS, rnd)
     return sorted(int(p) for p in rng.choice(cohort, size=size, replace=False))
 
 
@@ -141,11 +114,20 @@ def plan_round(clock: Heterogeneity, work: Workload, cohort: list[int], rnd: int
 
 def record_initial(state: RunState, evaluate_fn, on_round) -> None:
     """Evaluate and record the initial global model as round 0 (once: not again when resuming at round 0)."""
-    if state.extra.get("initial_recorded"):
+    if state.initial_recorded:
         return
     loss, acc = evaluate_fn(state.arrays)
-    state.extra["initial_recorded"] = True
-    on_round({"round": 0, "sim_time": 0.0, "num_clients": 0, "eval_loss": loss, "eval_accuracy": acc}, state)
+    state.initial_recorded = True
+    on_round(
+        {
+            schema.ROUND: 0,
+            schema.SIM_TIME: 0.0,
+            schema.NUM_CLIENTS: 0,
+            schema.EVAL_LOSS: loss,
+            schema.EVAL_ACCURACY: acc,
+        },
+        state,
+    )
 
 
 def _pid(rep: Message) -> int:
@@ -168,7 +150,7 @@ def run_sync(
     if state.round == 0:
         record_initial(state, evaluate_fn, on_round)
 
-    while state.round < loop.num_rounds and not state.extra.get("stop_reason"):
+    while state.round < loop.num_rounds and not state.stop_reason:
         state.rollback = checkpoint.mark(state, strategy)  # an interrupt in this round returns here
         rnd = state.round + 1
         t0 = time.perf_counter()
@@ -183,7 +165,7 @@ def run_sync(
             messages = list(strategy.configure_train(rnd, state.arrays, config, view)) if sent else []
         except StopRun as stop:
             log.warning("stopping before round %d: %s", rnd, stop)
-            state.extra["stop_reason"] = str(stop)
+            state.stop_reason = str(stop)
             break
         _limit_partial(messages, plans, {nid: pid for pid, nid in node_of.items()})
         replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout)) if messages else []
@@ -191,15 +173,15 @@ def run_sync(
         failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
         valid.sort(key=_pid)
         record: dict = {
-            "round": rnd,
-            "num_clients": len(valid),
+            schema.ROUND: rnd,
+            schema.NUM_CLIENTS: len(valid),
             **failure_fields(failures, f"round {rnd}", "client"),
         }
         fates = Counter(p.fate for p in plans.values())
         for fate, field_name in (
-            ("dropout", "dropped_out"),
-            ("late", "dropped_late"),
-            ("partial", "partial_work"),
+            ("dropout", schema.DROPPED_OUT),
+            ("late", schema.DROPPED_LATE),
+            ("partial", schema.PARTIAL_WORK),
         ):
             if fates[fate]:
                 record[field_name] = fates[fate]
@@ -209,22 +191,22 @@ def run_sync(
             log.warning(
                 "round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies
             )
-            record["skipped"] = True
+            record[schema.SKIPPED] = True
         else:
             try:
                 arrays, metrics = strategy.aggregate_train(rnd, valid)
             except StopRun as stop:
                 log.warning("stopping at round %d: %s", rnd, stop)
-                state.extra["stop_reason"] = str(stop)
+                state.stop_reason = str(stop)
                 break
             except ConfigError as e:  # e.g. Krum with too few valid replies this round: skip, keep going
                 log.warning("round %d skipped: %s", rnd, e)
                 arrays, metrics = None, None
-                record["skipped"] = True
+                record[schema.SKIPPED] = True
             if arrays is not None:
                 state.arrays = arrays
             record.update(_metric_fields(metrics))
-        if loop.federated_eval and not record.get("skipped") and sent:
+        if loop.federated_eval and not record.get(schema.SKIPPED) and sent:
             evaluators = SampledGrid(
                 grid, [node_of[p] for p in sample_evaluators(loop.seed, rnd, sent, loop.fraction_evaluate)]
             )
@@ -232,20 +214,20 @@ def run_sync(
                 _federated_eval(grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout)
             )
         state.round = rnd
-        record["sim_time"] = state.sim_time
+        record[schema.SIM_TIME] = state.sim_time
         if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
-            record["eval_loss"], record["eval_accuracy"] = evaluate_fn(state.arrays)
-        record["round_time"] = time.perf_counter() - t0
+            record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = evaluate_fn(state.arrays)
+        record[schema.ROUND_TIME] = time.perf_counter() - t0
         on_round(record, state)
     return state
 
 
 def failure_fields(failures: list[tuple[str, str]], where: str, unit: str) -> dict:
     """``failures`` and ``failure_kinds`` for metrics.jsonl; logs one line per kind (``where: n unit(s) failed``)."""
-    fields: dict = {"failures": len(failures)}
+    fields: dict = {schema.FAILURES: len(failures)}
     if failures:
         kinds = Counter(k for k, _ in failures)
-        fields["failure_kinds"] = dict(kinds)
+        fields[schema.FAILURE_KINDS] = dict(kinds)
         for kind, detail in dict(failures).items():  # the last detail of each kind
             log.warning("%s: %d %s(s) failed (%s): %s", where, kinds[kind], unit, kind, detail)
     return fields
@@ -271,7 +253,7 @@ def _metric_fields(metrics: MetricRecord | None) -> dict:
         return {}
     skip = {keys.PARTITION_ID, keys.NUM_EXAMPLES, keys.NUM_STEPS, keys.EXAMPLES_PROCESSED}
     return {
-        k.replace("-", "_"): (float(v) if isinstance(v, (int, float)) else v)
+        schema.metric_field(k): (float(v) if isinstance(v, (int, float)) else v)
         for k, v in metrics.items()
         if k not in skip
     }
@@ -291,4 +273,8 @@ def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
     agg = strategy.aggregate_evaluate(rnd, replies) if replies else None
     if agg is None:
         return {}
-    return {"fed_" + k.replace("-", "_"): float(v) for k, v in agg.items() if k != keys.NUM_EXAMPLES}
+    return {
+        schema.FED_EVAL_PREFIX + schema.metric_field(k): float(v)
+        for k, v in agg.items()
+        if k != keys.NUM_EXAMPLES
+    }

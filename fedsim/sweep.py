@@ -10,6 +10,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from fedsim import schema
+
 COLUMNS = (
     "job",
     "overrides",
@@ -17,8 +19,8 @@ COLUMNS = (
     "final_eval_accuracy",
     "best_eval_accuracy",
     "rounds_done",
-    "sim_time",
-    "wall_time",
+    schema.SIM_TIME,
+    schema.WALL_TIME,
     "target_round",
     "target_sim_time",
     "final_epsilon",
@@ -81,10 +83,12 @@ def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
         if r.get("status") == "failed" or not path.exists():
             continue
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        ev = [x for x in recs if x.get("eval_accuracy") is not None]
+        ev = [x for x in recs if x.get(schema.EVAL_ACCURACY) is not None]
         label = r["overrides"] or f"job {r['job']}"
-        axes[0].plot([x["round"] for x in ev], [x["eval_accuracy"] for x in ev], label=label)
-        axes[1].plot([x.get("sim_time", 0) for x in ev], [x["eval_accuracy"] for x in ev], label=label)
+        axes[0].plot([x[schema.ROUND] for x in ev], [x[schema.EVAL_ACCURACY] for x in ev], label=label)
+        axes[1].plot(
+            [x.get(schema.SIM_TIME, 0) for x in ev], [x[schema.EVAL_ACCURACY] for x in ev], label=label
+        )
     axes[0].set(xlabel="round", ylabel="eval accuracy")
     axes[1].set(xlabel="simulated time (s)", ylabel="eval accuracy")
     for ax in axes:

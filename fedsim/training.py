@@ -8,6 +8,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedsim.checks import integer, number
+from fedsim.errors import ConfigError
+
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "asgd")
 
 
@@ -25,6 +28,19 @@ class LocalTraining:
     local_epochs: int = 1
     local_steps: int = 0
     batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError("optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
+        number("lr", self.lr, 0.0, lo_open=True)
+        number("momentum", self.momentum, 0.0, 1.0, hi_open=True)
+        if self.optimizer == "nesterov" and not self.momentum > 0:
+            raise ConfigError("momentum", self.momentum, "a number in (0, 1) with client.optimizer=nesterov")
+        number("weight_decay", self.weight_decay, 0.0)
+        integer("batch_size", self.batch_size, 0, what="an integer >= 1, or 0 for full batch")
+        integer("local_steps", self.local_steps, 0)
+        if self.local_steps == 0:
+            integer("local_epochs", self.local_epochs, 1, what="an integer >= 1 (or set client.local_steps)")
 
 
 def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+from fedsim.checks import number
 from fedsim.errors import ConfigError
 
 KINDS = ("constant", "polynomial", "hinge")
@@ -60,12 +61,8 @@ def staleness_fn(
     if kind == "constant":
         return constant
     if kind == "polynomial":
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a < float("inf"):
-            raise ConfigError("staleness_a", a, "a finite number >= 0")
+        a = number("staleness_a", a, 0.0, what="a finite number >= 0")
         return partial(polynomial, a=float(a))
-    if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < float("inf"):
-        raise ConfigError("staleness_b", b, "a finite number >= 0 (staleness up to b counts fully)")
-    hinge_a = 10.0 if hinge_a is None else hinge_a
-    if isinstance(hinge_a, bool) or not isinstance(hinge_a, (int, float)) or not 0 <= hinge_a < float("inf"):
-        raise ConfigError("hinge_a", hinge_a, "a finite number >= 0")
+    b = number("staleness_b", b, 0.0, what="a finite number >= 0 (staleness up to b counts fully)")
+    hinge_a = number("hinge_a", 10.0 if hinge_a is None else hinge_a, 0.0, what="a finite number >= 0")
     return partial(hinge, a=float(hinge_a), b=float(b))

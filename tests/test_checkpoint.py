@@ -87,7 +87,7 @@ def _interrupt_at(monkeypatch, owner, name: str, call: int) -> None:
 
 
 def _evaluator_interrupted_at(monkeypatch, call: int) -> None:
-    import fedsim.run as run
+    import fedsim.experiment as run
 
     make = run.make_evaluator
 

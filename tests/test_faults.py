@@ -61,7 +61,7 @@ def test_bad_fault_rates_are_config_errors(tmp_path, over, key):
 
 
 def test_cohort_too_big_for_memory_is_refused_up_front(tmp_path, monkeypatch):
-    import fedsim.run as run_mod
+    import fedsim.experiment as run_mod
 
     pages = {"SC_PAGE_SIZE": 4096, "SC_AVPHYS_PAGES": 2**30 // 4096}  # pretend 1 GiB is free
     monkeypatch.setattr(run_mod.os, "sysconf", lambda name: pages[name])

@@ -99,3 +99,32 @@ def test_models_it_cannot_batch_are_named():
     assert "convolutions" in vectorized.unsupported(conv, "cpu", False)
     assert vectorized.unsupported(conv, "cpu", True) is None
     assert vectorized.unsupported(conv, "cuda", False) is None
+
+
+def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(tmp_path, monkeypatch, batched_clients):
+    """A strategy that sends its own client-side key: the batched path must not drop it silently."""
+    from flwr.app import ConfigRecord
+
+    from fedsim.strategies.fedavg import FedAvg
+
+    seen_keys = []
+    original = FedAvg.configure_train
+
+    def with_key(self, server_round, arrays, config: ConfigRecord, grid):
+        config["my-client-knob"] = 0.5
+        return original(self, server_round, arrays, config, grid)
+
+    import fedsim.client_app as ca
+
+    parse = ca.parse_train
+
+    def recording(config):
+        ins = parse(config)
+        seen_keys.append(dict(ins.unhandled))
+        return ins
+
+    monkeypatch.setattr(FedAvg, "configure_train", with_key)
+    monkeypatch.setattr(ca, "parse_train", recording)
+    run_tiny(tmp_path, "engine=vectorized")
+    assert not batched_clients  # every train message went through the ClientApp
+    assert seen_keys and all(k == {"my-client-knob": 0.5} for k in seen_keys)

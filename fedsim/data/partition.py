@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from fedsim.checks import number
 from fedsim.errors import ConfigError
 
 __all__ = ["dirichlet", "flwr_datasets", "iid", "natural", "quantity", "shards", "split_train_val"]
@@ -35,10 +36,7 @@ def _check_int(key: str, value: object, low: int, allowed: str | None = None) ->
 
 
 def _check_positive(key: str, value: object) -> float:
-    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise ConfigError(key, value, "a finite number > 0")
-    return float(value)
+    return number(key, value, 0.0, lo_open=True, what="a finite number > 0")
 
 
 def _check_labels(labels: np.ndarray, num_clients: object) -> tuple[np.ndarray, int]:

@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from fedsim.checks import is_integer, is_number
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 
@@ -22,12 +23,10 @@ def _check(key: str, value: object, ok: bool, allowed: str) -> None:
         raise ConfigError(key, value, allowed)
 
 
-def _is_num(value: object) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+_is_num = is_number
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+_is_int = is_integer
 
 
 def synthetic(

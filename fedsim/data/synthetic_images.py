@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from fedsim.checks import integer, is_integer, is_number
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 
@@ -161,22 +162,12 @@ def synthetic_images(
         ("num_classes", num_classes, 2),
         ("max_shift", max_shift, 0),
     ):
-        if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < lo:
-            raise ConfigError(key, val, f"an integer >= {lo}")
+        integer(key, val, lo)
     dims = list(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
-    if (
-        dims is None
-        or len(dims) != 3
-        or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) and s >= 1 for s in dims)
-    ):
+    if dims is None or len(dims) != 3 or not all(is_integer(s) and s >= 1 for s in dims):
         raise ConfigError("shape", shape if dims is None else dims, "three positive integers [C, H, W]")
     shape = tuple(int(s) for s in dims)
-    if (
-        not isinstance(noise, (int, float))
-        or isinstance(noise, bool)
-        or not math.isfinite(noise)
-        or noise < 0
-    ):
+    if not is_number(noise) or not math.isfinite(noise) or noise < 0:
         raise ConfigError("noise", noise, "a finite number >= 0")
     scale = 1.0 / math.sqrt(1.0 + float(noise) ** 2)  # unit std overall, like a normalised image set
     table = _templates(np.random.default_rng([seed, 0]), num_classes, shape, max_shift) * np.float32(scale)

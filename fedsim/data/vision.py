@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedsim.checks import integer
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError, DataNotFoundError
 
@@ -74,11 +75,7 @@ def _root(root: str | Path) -> Path:
 
 
 def _check_cap(key: str, value: object) -> int | None:
-    if value is not None and (
-        not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1
-    ):
-        raise ConfigError(key, value, "null (all examples) or an integer >= 1")
-    return None if value is None else int(value)
+    return integer(key, value, 1, allow_none=True, what="null (all examples) or an integer >= 1")
 
 
 def _subsample(n: int, cap: int | None, rng: np.random.Generator) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Engines: what executes the ClientApp for the server loop.
+"""Engines: what executes the ClientApp for the server loop. :class:`EngineRunner` owns the choice.
 
 Local engines are Flower ``Grid`` implementations living in the server's process; ``ray`` is Flower's
 simulation engine (``fedsim.engines.ray``); deployment gets its Grid from the SuperLink.
@@ -11,29 +11,78 @@ simulation engine (``fedsim.engines.ray``); deployment gets its Grid from the Su
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from flwr.serverapp import Grid
+
+from fedsim.groups import EngineSettings, Placement
 
 LOCAL_ENGINES = ("inprocess", "vectorized")
 
 
-def local_grid(name: str, num_clients: int, params: dict) -> Grid:
-    """The Grid of local engine ``name`` for ``num_clients`` virtual nodes; ``params`` is the ``engine`` group.
+def local_grid(settings: EngineSettings, num_clients: int) -> Grid:
+    """The Grid of local engine ``settings.name`` for ``num_clients`` virtual nodes.
 
     The Grid may hold worker processes: call its ``close()`` when done (it also closes itself when garbage
     collected and at interpreter exit).
     """
-    workers = params.get("workers", 1)
-    if name == "inprocess":
+    if settings.name == "inprocess":
         from fedsim.engines.pool import PoolGrid
 
-        return PoolGrid(num_clients, workers=workers)
-    if name == "vectorized":
+        return PoolGrid(num_clients, workers=settings.workers)
+    if settings.name == "vectorized":
         from fedsim.engines.vectorized import VectorizedGrid
 
         return VectorizedGrid(
             num_clients,
-            threads=params.get("threads"),
-            max_cohort=params.get("max_cohort") or 0,
-            vmap_conv_cpu=bool(params.get("vmap_conv_cpu", False)),
+            threads=settings.threads,
+            max_cohort=settings.max_cohort,
+            vmap_conv_cpu=settings.vmap_conv_cpu,
         )
-    raise ValueError(f"unknown local engine {name!r}")
+    raise ValueError(f"unknown local engine {settings.name!r}")
+
+
+class EngineRunner:
+    """Runs the server's main function on the chosen engine: a local grid, Ray, or a deployment's grid.
+
+    Everything an engine can check without running (Ray's address and resources) is checked here, when the
+    runner is made, before the run writes any output.
+    """
+
+    def __init__(
+        self, settings: EngineSettings, placement: Placement, num_clients: int, grid: Grid | None = None
+    ):
+        self.settings, self.num_clients, self.grid = settings, num_clients, grid
+        self.name = "deployment" if grid is not None else settings.name
+        self.backend: dict | None = None
+        if self.name == "ray":
+            from fedsim.engines import ray
+
+            self.backend = ray.backend_config(
+                placement.num_cpus_per_client,
+                placement.num_gpus_per_client,
+                address=settings.address,
+                num_cpus=settings.num_cpus,
+                num_gpus=settings.num_gpus,
+            )
+            ray.preflight(self.backend)
+
+    @property
+    def deployed(self) -> bool:
+        """True when real SuperNodes run the clients (wall-clock time, real arrival order)."""
+        return self.grid is not None
+
+    def run(self, server_main: Callable[[Grid], None]) -> None:
+        """Call ``server_main(grid)`` with this engine's grid; stop the engine's workers afterwards."""
+        if self.grid is not None:
+            server_main(self.grid)
+        elif self.name == "ray":
+            from fedsim.engines import ray
+
+            ray.run(self.num_clients, server_main, self.backend)
+        else:
+            local = local_grid(self.settings, self.num_clients)
+            try:
+                server_main(local)
+            finally:
+                getattr(local, "close", lambda: None)()  # stop worker processes, also after errors

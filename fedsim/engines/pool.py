@@ -53,7 +53,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from typing_extensions import Self
 
 from fedsim import keys
-from fedsim.errors import ConfigError
+from fedsim.checks import integer
 
 CLIENT_APP_RAISED_EXCEPTION = 2  # Flower's error codes
 CLIENT_APP_CRASHED = 8
@@ -188,8 +188,7 @@ class PoolGrid(Grid):
     def __init__(
         self, num_nodes: int, workers: int = 1, app_ref: str = DEFAULT_APP, node_config: dict | None = None
     ) -> None:
-        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-            raise ConfigError("engine.workers", workers, "an integer >= 1 (1: sequential in this process)")
+        integer("engine.workers", workers, 1, what="an integer >= 1 (1: sequential in this process)")
         self._n, self._num_workers, self._app_ref = int(num_nodes), workers, app_ref
         self._node_config = dict(node_config or {})
         self._run = Run.create_empty(run_id=1)

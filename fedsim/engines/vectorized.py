@@ -19,7 +19,7 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
 Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps``, any ``batch_size``
 (0 = full batch), ``proximal-mu``. Run through the ordinary ClientApp (sequentially in this process)
 instead, with one log line per reason: non-train messages (query, evaluate), Adam and averaged SGD,
-client-side ``clip-norm``, injected faults, models with buffers (BatchNorm), dropout, frozen or tied
+client-side ``clip-norm``, train-config keys it does not handle (``fedsim.messages``), injected faults, models with buffers (BatchNorm), dropout, frozen or tied
 parameters, and, by default, convolutional models on the CPU: there vmap turns ``conv2d`` into a grouped
 convolution that measured 1.2-3.5x slower than per-client convolutions (``engine.vmap_conv_cpu=true``
 forces it). If batched training raises, its clients are rerun sequentially.
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MessageType
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
@@ -41,6 +41,7 @@ from torch.nn import functional as F
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.engines.pool import PoolGrid
+from fedsim.messages import parse_train, train_reply
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 
 log = logging.getLogger("fedsim")
@@ -56,13 +57,7 @@ class _Client:
     task: ClientTask
     start: dict[str, torch.Tensor]  # initial weights, by parameter name
     batches: list[torch.Tensor] = field(default_factory=list)  # example indices of every step, in order
-
-
-def train_generator(seed: int, rnd: int, partition_id: int) -> torch.Generator:
-    """The generator of a client's local shuffles, seeded exactly as ``fedsim.client_app.train`` seeds it."""
-    return torch.Generator().manual_seed(
-        int(np.random.SeedSequence([seed, 3, rnd, partition_id]).generate_state(1)[0])
-    )
+    proximal_mu: float = 0.0
 
 
 def schedule(
@@ -132,8 +127,7 @@ class VectorizedGrid(PoolGrid):
         done = super()._run_batch(rest, deadline)
         groups: dict[tuple, list[_Client]] = {}
         for c in clients:
-            mu = float(c.msg.content[keys.CONFIG].get(keys.PROXIMAL_MU, 0.0))
-            groups.setdefault((id(c.task.model), c.task.local, c.task.device, mu), []).append(c)
+            groups.setdefault((id(c.task.model), c.task.local, c.task.device, c.proximal_mu), []).append(c)
         for (_, local, device, mu), group in groups.items():
             try:
                 done.update(self._train(group, local, device, mu))
@@ -161,12 +155,16 @@ class VectorizedGrid(PoolGrid):
         arrays = content.get(keys.ARRAYS)
         if cfg is None or arrays is None or not isinstance(cfg.get(keys.RUN_SPEC), str):
             return None
-        if keys.CLIP_NORM in cfg:
+        ins = parse_train(cfg)
+        if ins.clip_norm is not None:
             self._skip("client-side clipping (clip-norm)")
+            return None
+        if ins.unhandled:
+            self._skip(f"train config keys it does not handle: {', '.join(sorted(ins.unhandled))}")
             return None
         pid = self.partition_of(msg.metadata.dst_node_id)
         try:
-            task = client_task(str(cfg[keys.RUN_SPEC]), pid)
+            task = client_task(ins.spec, pid)
         except Exception:  # noqa: BLE001  (the ClientApp turns it into this client's error reply)
             return None
         reason = None
@@ -190,19 +188,12 @@ class VectorizedGrid(PoolGrid):
         shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
         if {n: tuple(t.shape) for n, t in start.items()} != shapes:
             return None  # the ClientApp's strict load reports the mismatch
-        rnd = int(cfg.get(keys.TASK_ID, cfg.get(keys.MODEL_VERSION, cfg.get(keys.SERVER_ROUND, 0))))
-        max_steps = (
-            int(cfg[keys.MAX_STEPS]) if keys.MAX_STEPS in cfg else None
-        )  # partial work before a deadline
         batches = schedule(
-            int(task.x_train.shape[0]),
-            task.local,
-            train_generator(task.seed, rnd, task.partition_id),
-            max_steps,
+            int(task.x_train.shape[0]), task.local, ins.generator(task.seed, task.partition_id), ins.max_steps
         )
         if not batches:
             return None
-        return _Client(msg, task, start, batches)
+        return _Client(msg, task, start, batches, ins.proximal_mu)
 
     def _train(
         self, clients: list[_Client], local: LocalTraining, device: str, mu: float
@@ -281,13 +272,13 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
     replies = {}
     for i, c in enumerate(members):
         state = {n: params[n][i].detach().cpu() for n in names}
-        metrics = {
-            keys.NUM_EXAMPLES: int(c.task.x_train.shape[0]),
-            keys.TRAIN_LOSS: losses[i] / len(c.batches),
-            keys.PARTITION_ID: c.task.partition_id,
-            keys.NUM_STEPS: len(c.batches),
-            keys.EXAMPLES_PROCESSED: sum(len(b) for b in c.batches),
-        }
-        content = RecordDict({keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)})
-        replies[c.msg.metadata.message_id] = Message(content, reply_to=c.msg)
+        replies[c.msg.metadata.message_id] = train_reply(
+            c.msg,
+            state,
+            num_examples=int(c.task.x_train.shape[0]),
+            loss=losses[i] / len(c.batches),
+            partition_id=c.task.partition_id,
+            steps=len(c.batches),
+            examples_processed=sum(len(b) for b in c.batches),
+        )
     return replies

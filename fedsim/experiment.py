@@ -1,0 +1,133 @@
+"""The composition root: a composed config becomes one :class:`Experiment`, every check done before any output.
+
+Everything below it takes plain typed arguments. What crosses a process boundary (to workers, Ray actors or
+SuperNodes) is the *client spec*: a JSON string of plain values from which ``fedsim.build.client_task``
+rebuilds a client's data and model once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord
+from omegaconf import DictConfig, OmegaConf
+
+from fedsim import build
+from fedsim.clock import Heterogeneity
+from fedsim.data.base import Dataset
+from fedsim.errors import ConfigError
+from fedsim.groups import EngineSettings, Placement, typed
+from fedsim.state import LoopConfig
+from fedsim.training import evaluate
+from fedsim.validate import clients_per_round, validate
+
+
+@dataclass
+class Experiment:
+    """Everything a run needs, built and checked: config, data, partitions, model, strategy, loop knobs."""
+
+    cfg: DictConfig
+    resolved: dict  # the config with interpolations resolved (checkpoints and summary.json keep it)
+    spec_json: str  # the client spec sent in every train message
+    placement: Placement
+    engine: EngineSettings
+    loop: LoopConfig
+    dataset: Dataset
+    train_partitions: list[np.ndarray]
+    strategy: Any
+    clock: Heterogeneity
+    initial_model: torch.nn.Module
+    evaluate_fn: Callable[[ArrayRecord], tuple[float, float]]
+
+
+def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
+    """Build and check everything ``cfg`` names; raise ``ConfigError`` (one line) on the first bad value.
+
+    ``deployed``: the clients are SuperNodes that resolve ``placement.device`` on their own machines.
+    """
+    validate(cfg)
+    placement = typed("placement", Placement, OmegaConf.to_container(cfg.placement, resolve=True))
+    engine = typed("engine", EngineSettings, OmegaConf.to_container(cfg.engine, resolve=True))
+    torch.set_num_threads(placement.threads_per_client)
+    spec_json = build.client_spec(cfg, device=placement.device)
+    spec = json.loads(spec_json)
+    build.local_training(spec)  # the client group and the faults group, checked before any work
+    build.fault_rates(spec)
+    ds = build.build_dataset(spec)
+    train, _ = build.build_partitions(spec)
+    m = clients_per_round(cfg)
+    strategy = build.build_strategy(cfg, m)
+    clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
+    model = build.build_initial_model(spec)
+    client_device = "cpu" if deployed else build.resolve_device(placement.device)
+    check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, client_device)
+    server_device = build.resolve_device(placement.server_device, "placement.server_device")
+    loop = LoopConfig(
+        seed=int(cfg.seed),
+        num_clients=int(cfg.num_clients),
+        num_rounds=int(cfg.num_rounds),
+        clients_per_round=m,
+        min_replies=int(cfg.min_replies),
+        round_timeout=float(cfg.round_timeout),
+        node_timeout=float(cfg.get("node_timeout") or 300),
+        eval_every=int(cfg.eval_every),
+        federated_eval=bool(cfg.federated_eval),
+        fraction_evaluate=float(cfg.strategy.get(build.LOOP_OWNED_STRATEGY_KEY, 1.0)),
+    )
+    return Experiment(
+        cfg=cfg,
+        resolved=OmegaConf.to_container(cfg, resolve=True),
+        spec_json=spec_json,
+        placement=placement,
+        engine=engine,
+        loop=loop,
+        dataset=ds,
+        train_partitions=train,
+        strategy=strategy,
+        clock=clock,
+        initial_model=model,
+        evaluate_fn=make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device),
+    )
+
+
+def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
+    """Refuse a cohort whose rough memory estimate exceeds what the machine (or GPU) has free.
+
+    Estimate: every sampled client's reply (one model copy each) plus a few global copies for aggregation and
+    the data set; on a GPU, the same for the clients' models and optimiser state.
+    """
+    model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    need = model_bytes * (cohort + 4) + data_bytes
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return
+    where = "RAM"
+    if device.startswith("cuda") and torch.cuda.is_available():
+        avail, _ = torch.cuda.mem_get_info(torch.device(device))
+        where = "GPU memory"
+    if need > avail:
+        raise ConfigError(
+            "clients_per_round",
+            cohort,
+            f"a cohort that fits: about {need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB {where} free",
+            "Sample fewer clients per round or use a smaller model.",
+        )
+
+
+def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str):
+    """Centralised evaluation of global arrays on the server's test split."""
+    model = model.to(device)
+    xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
+
+    def evaluate_fn(arrays: ArrayRecord) -> tuple[float, float]:
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return evaluate(model, xt, yt)
+
+    return evaluate_fn

@@ -1,0 +1,86 @@
+"""The config groups without a ``_target_``, as one typed object each: ``placement`` and ``engine``.
+
+Groups that build objects (``dataset``, ``partitioner``, ``model``, ``strategy``, ``clipping``,
+``heterogeneity``) go through ``hydra.utils.instantiate``; ``client`` and ``faults`` travel to the clients in
+the run spec and become :class:`fedsim.training.LocalTraining` and :class:`fedsim.faults.FaultRates`. Each
+typed object checks its own values, and :func:`typed` turns an unknown key or a bad value into one
+``ConfigError`` naming ``group.key``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fedsim.checks import integer, number
+from fedsim.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def typed(group: str, cls: type[T], values: Mapping[str, Any], drop: tuple[str, ...] = ()) -> T:
+    """``cls(**values)`` (minus the keys in ``drop``); errors name ``group.key``."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(fields) - set(drop))
+    if unknown:
+        raise ConfigError(
+            f"{group}.{unknown[0]}", values[unknown[0]], f"a parameter of {group}: {', '.join(fields)}"
+        )
+    try:
+        return cls(**{k: v for k, v in values.items() if k in fields})
+    except ConfigError as e:
+        raise e.with_prefix(group) from None
+
+
+def check_device(key: str, name: Any) -> str:
+    """``cpu``, ``auto``, ``cuda`` or ``cuda:N``."""
+    head, _, index = str(name).partition(":")
+    if str(name) not in ("cpu", "auto") and not (head == "cuda" and (index == "" or index.isdigit())):
+        raise ConfigError(key, name, "cpu, cuda, cuda:N or auto")
+    return str(name)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where clients and the server compute (the ``placement`` group)."""
+
+    device: str = "cpu"  # where clients train: cpu | cuda | cuda:N | auto
+    server_device: str = "cpu"  # where the server evaluates the global model
+    num_cpus_per_client: float = 1.0  # Ray CPUs per ClientApp actor (engine=ray)
+    num_gpus_per_client: float = 0.0  # Ray GPUs per ClientApp actor (engine=ray)
+    threads_per_client: int = 1  # torch threads in each worker
+
+    def __post_init__(self) -> None:
+        check_device("device", self.device)
+        check_device("server_device", self.server_device)
+        number("num_cpus_per_client", self.num_cpus_per_client, 0.0, lo_open=True)
+        number("num_gpus_per_client", self.num_gpus_per_client, 0.0)
+        integer("threads_per_client", self.threads_per_client, 1)
+
+
+ENGINES = ("inprocess", "vectorized", "ray")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What runs the ClientApp (the ``engine`` group); each engine reads its own keys."""
+
+    name: str = "inprocess"
+    workers: int = 1  # inprocess: 1 sequential, N > 1 worker processes
+    threads: int | None = None  # vectorized: torch threads while a cohort trains (None: all cores)
+    max_cohort: int = 0  # vectorized: at most this many clients per batched step (0: no limit)
+    vmap_conv_cpu: bool = False  # vectorized: batch conv nets on the CPU too
+    address: str | None = None  # ray: join a running cluster ("auto" or HOST:PORT)
+    num_cpus: int | None = None  # ray: CPUs Ray may use locally
+    num_gpus: int | None = None  # ray: GPUs Ray may use locally
+
+    def __post_init__(self) -> None:
+        if self.name not in ENGINES:
+            raise ConfigError("name", self.name, f"one of {', '.join(ENGINES)}")
+        integer("workers", self.workers, 1, what="an integer >= 1 (1: sequential in this process)")
+        integer("threads", self.threads, 1, allow_none=True)
+        integer("max_cohort", self.max_cohort, 0, what="an integer >= 0 (0: the whole cohort)")
+        integer("num_cpus", self.num_cpus, 1, allow_none=True)
+        integer("num_gpus", self.num_gpus, 0, allow_none=True)

@@ -1,0 +1,94 @@
+"""A train instruction and a train reply, read and written in one place.
+
+The ClientApp (every engine) and the vectorized engine (which trains a cohort without calling the ClientApp)
+both go through :func:`parse_train` and :func:`train_reply`, so a new client-side key cannot be honoured on
+one path and silently ignored on the other: a key that the batched path does not handle is listed in
+:attr:`TrainInstruction.unhandled`, and the vectorized engine then runs that message through the ClientApp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fedsim import keys
+from fedsim.seeds import Purpose, torch_generator
+
+# Train-config keys with a meaning on the client; anything else is "unhandled" (see TrainInstruction).
+_DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
+KNOWN_TRAIN_KEYS = frozenset(
+    {keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, keys.CLIP_NORM, *_DRAW_INDEX_KEYS}
+)
+
+
+@dataclass(frozen=True)
+class TrainInstruction:
+    """What a train message asks of a client, parsed from its ConfigRecord.
+
+    Attributes
+    ----------
+    spec : str
+        The run's client spec (JSON): data, model and local training.
+    draw_index : int
+        Indexes the client's random draws: the task index in the asynchronous loop, else the model version or
+        the server round.
+    proximal_mu : float
+        Weight of FedProx's proximal term (0: off).
+    max_steps : int or None
+        At most this many local steps (partial work before a deadline).
+    clip_norm : float or None
+        Clip the update to this L2 norm before replying (client-side clipping).
+    unhandled : dict
+        Config entries fedsim's client does not know (a user's strategy may send some to its own ClientApp).
+    """
+
+    spec: str
+    draw_index: int = 0
+    proximal_mu: float = 0.0
+    max_steps: int | None = None
+    clip_norm: float | None = None
+    unhandled: dict = field(default_factory=dict)
+
+    def generator(self, seed: int, partition_id: int) -> torch.Generator:
+        """The generator of this client's minibatch order (the same on every engine)."""
+        return torch_generator(seed, Purpose.LOCAL_SHUFFLE, self.draw_index, partition_id)
+
+
+def parse_train(config: ConfigRecord) -> TrainInstruction:
+    """Read a train message's ConfigRecord (``KeyError`` when it holds no run spec)."""
+    index = next((config[k] for k in _DRAW_INDEX_KEYS if k in config), 0)
+    return TrainInstruction(
+        spec=str(config[keys.RUN_SPEC]),
+        draw_index=int(index),
+        proximal_mu=float(config.get(keys.PROXIMAL_MU, 0.0)),
+        max_steps=int(config[keys.MAX_STEPS]) if keys.MAX_STEPS in config else None,
+        clip_norm=float(config[keys.CLIP_NORM]) if keys.CLIP_NORM in config else None,
+        unhandled={k: v for k, v in config.items() if k not in KNOWN_TRAIN_KEYS},
+    )
+
+
+def train_reply(
+    msg: Message,
+    state: dict[str, torch.Tensor],
+    *,
+    num_examples: int,
+    loss: float,
+    partition_id: int,
+    steps: int,
+    examples_processed: int,
+    extra: dict | None = None,
+) -> Message:
+    """The reply to train message ``msg``: the client's weights and fedsim's train metrics (plus ``extra``)."""
+    metrics = {
+        keys.NUM_EXAMPLES: int(num_examples),
+        keys.TRAIN_LOSS: float(loss),
+        keys.PARTITION_ID: int(partition_id),
+        keys.NUM_STEPS: int(steps),
+        keys.EXAMPLES_PROCESSED: int(examples_processed),
+        **(extra or {}),
+    }
+    return Message(
+        RecordDict({keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)}), reply_to=msg
+    )

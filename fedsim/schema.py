@@ -1,0 +1,68 @@
+"""The fields of metrics.jsonl: one line per synchronous round or asynchronous server model version.
+
+Both loops, the recorder, the sweep summary and the README's table use these names; a strategy's aggregated
+train metrics add their own keys (``clip-norm`` becomes ``clip_norm``: see :func:`metric_field`).
+"""
+
+from __future__ import annotations
+
+ROUND = "round"
+WALL_TIME = "wall_time"
+ROUND_TIME = "round_time"
+SIM_TIME = "sim_time"
+NUM_CLIENTS = "num_clients"
+TRAIN_LOSS = "train_loss"
+EVAL_LOSS = "eval_loss"
+EVAL_ACCURACY = "eval_accuracy"
+FED_EVAL_PREFIX = "fed_"
+FED_EVAL_LOSS = "fed_eval_loss"
+FED_EVAL_ACCURACY = "fed_eval_accuracy"
+FAILURES = "failures"
+FAILURE_KINDS = "failure_kinds"
+SKIPPED = "skipped"
+DROPPED_OUT = "dropped_out"
+DROPPED_LATE = "dropped_late"
+PARTIAL_WORK = "partial_work"
+DROPPED_STALE = "dropped_stale"
+STALENESS_MEAN = "staleness_mean"
+STALENESS_MAX = "staleness_max"
+UPDATES_TOTAL = "updates_total"
+CLIP_NORM = "clip_norm"
+CLIPPED_FRACTION = "clipped_fraction"
+NOISE_STD = "noise_std"
+EPSILON = "epsilon"
+
+# Fields measured on the wall clock: they differ between two runs that compute the same thing.
+WALL_CLOCK = (WALL_TIME, ROUND_TIME)
+
+FIELDS: dict[str, str] = {
+    ROUND: "round (sync) or server model version (async); 0 is the initial model",
+    WALL_TIME: "seconds since the run started",
+    ROUND_TIME: "wall seconds this round took",
+    SIM_TIME: "simulated seconds (the heterogeneity model's clock; wall seconds in deployment's async loop)",
+    NUM_CLIENTS: "updates aggregated",
+    TRAIN_LOSS: "clients' mean local training loss",
+    EVAL_LOSS: "the global model's loss on the server's test split",
+    EVAL_ACCURACY: "the global model's accuracy on the server's test split",
+    FED_EVAL_LOSS: "federated evaluation on the cohort's validation splits (`federated_eval=true`)",
+    FED_EVAL_ACCURACY: "federated evaluation accuracy (`federated_eval=true`)",
+    FAILURES: "replies dropped: errors, timeouts, NaN/Inf, wrong shapes",
+    FAILURE_KINDS: "those failures by kind",
+    SKIPPED: "true when the round kept the old model (too few valid replies)",
+    DROPPED_OUT: "sampled clients that dropped out (heterogeneity)",
+    DROPPED_LATE: "sampled clients past the round's deadline",
+    PARTIAL_WORK: "clients that sent the steps they finished before the deadline",
+    DROPPED_STALE: "async: updates staler than `max_staleness`",
+    STALENESS_MEAN: "async: mean staleness of the version's updates",
+    STALENESS_MAX: "async: largest staleness of the version's updates",
+    UPDATES_TOTAL: "async: updates accepted so far",
+    CLIP_NORM: "clipping: the clip norm used this round",
+    CLIPPED_FRACTION: "clipping: share of updates clipped",
+    NOISE_STD: "clipping: standard deviation of the Gaussian noise",
+    EPSILON: "DP: epsilon spent so far at `clipping.delta`",
+}
+
+
+def metric_field(key: str) -> str:
+    """The metrics.jsonl field of a strategy's MetricRecord key (``clip-norm`` -> ``clip_norm``)."""
+    return key.replace("-", "_")
