@@ -19,11 +19,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fedsim.config import FLOWER_ENV
+
 STRATEGIES = ("fedavg", "fedasync", "fedbuff")
 
 
 def run_sweep(sweep_dir: Path, seeds: str, extra: list[str]) -> None:
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    env = {**os.environ, **FLOWER_ENV}
     cmd = [
         sys.executable,
         "-m",

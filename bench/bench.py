@@ -21,14 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedsim.config import FLOWER_ENV
+
 HERE = Path(__file__).resolve().parent
-ENV = {
-    **os.environ,
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
-    "PYTHONUNBUFFERED": "1",
-}
+ENV = {**os.environ, **FLOWER_ENV, "PYTHONUNBUFFERED": "1"}
 # variant -> fedsim overrides (None: not a fedsim engine)
 VARIANTS = {
     "inprocess": ["engine=inprocess"],
@@ -44,15 +40,14 @@ VARIANTS = {
 def fedsim_child(overrides: list[str]) -> dict:
     """Run fedsim with ``overrides`` in this process; per-round times, accuracy and data build times."""
     import torch
-    from hydra import compose, initialize_config_module
 
     from fedsim import build
     from fedsim.cli import quiet_loggers
+    from fedsim.config import compose
     from fedsim.run import run_experiment
 
     quiet_loggers()
-    with initialize_config_module(config_module="fedsim.conf", version_base=None):
-        cfg = compose(config_name="config", overrides=[*overrides, "quiet=true", "checkpoint_every=0"])
+    cfg = compose(*overrides, "quiet=true", "checkpoint_every=0")
     spec = json.loads(build.client_spec(cfg, device=str(cfg.placement.device)))
     t0 = time.perf_counter()
     build.build_dataset(spec)

@@ -179,11 +179,9 @@ def _vanilla_server(task: dict, rounds: int, per_round: int, lr: float, epochs: 
 
 # ------------------------------------------------------------------------------------------ child side
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
+    from fedsim.config import compose as fedsim_compose
 
-    with initialize_config_module(config_module="fedsim.conf", version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
+    return fedsim_compose(*overrides)
 
 
 def child(scenario: str, variant: str, rounds: int, small: bool) -> dict:

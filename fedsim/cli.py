@@ -12,20 +12,16 @@ import os
 import sys
 from pathlib import Path
 
-for _var, _val in (
-    ("FLWR_TELEMETRY_ENABLED", "0"),
-    ("FLWR_DISABLE_UPDATE_CHECK", "1"),
-    ("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0"),
-    ("HYDRA_FULL_ERROR", "0"),
-):
-    os.environ.setdefault(_var, _val)
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
 
-import hydra  # noqa: E402
-from hydra.core.hydra_config import HydraConfig  # noqa: E402
-from hydra.types import RunMode  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from fedsim.config import compose, flower_env
+from fedsim.errors import ConfigError, RunError
 
-from fedsim.errors import ConfigError, RunError  # noqa: E402
+flower_env()
+os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
 EXIT_CONFIG = 2
 
@@ -105,7 +101,6 @@ def unknown_key(argv: list[str]) -> str | None:
     import difflib
     from importlib.resources import files
 
-    from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
     overrides = [a for a in argv if "=" in a and not a.startswith(("-", "+", "~", "hydra.", "hydra/"))]
@@ -123,8 +118,7 @@ def unknown_key(argv: list[str]) -> str | None:
                 return f"{group}={v.strip()!r} is not allowed: expected one of {', '.join(options)}"
     picks = [o.split(",")[0] for o in overrides if o.split("=", 1)[0] in groups]
     try:
-        with initialize_config_module(config_module="fedsim.conf", version_base=None):
-            cfg = compose(config_name="config", overrides=picks)
+        cfg = compose(*picks)
     except Exception:  # noqa: BLE001  (an unknown group option: Hydra's own message lists the options)
         return None
     known = _all_keys(cfg)

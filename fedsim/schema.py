@@ -29,6 +29,7 @@ STALENESS_MAX = "staleness_max"
 UPDATES_TOTAL = "updates_total"
 CLIP_NORM = "clip_norm"
 CLIPPED_FRACTION = "clipped_fraction"
+NOISY_UNCLIPPED_FRACTION = "noisy_unclipped_fraction"
 NOISE_STD = "noise_std"
 EPSILON = "epsilon"
 
@@ -57,7 +58,8 @@ FIELDS: dict[str, str] = {
     STALENESS_MAX: "async: largest staleness of the version's updates",
     UPDATES_TOTAL: "async: updates accepted so far",
     CLIP_NORM: "clipping: the clip norm used this round",
-    CLIPPED_FRACTION: "clipping: share of updates clipped",
+    CLIPPED_FRACTION: "clipping without noise (or with `clipping.debug_metrics`): share of updates clipped",
+    NOISY_UNCLIPPED_FRACTION: "DP adaptive clipping: the noised share of unclipped updates the clip norm follows",
     NOISE_STD: "clipping: standard deviation of the Gaussian noise",
     EPSILON: "DP: epsilon spent so far at `clipping.delta`",
 }

@@ -34,6 +34,7 @@ from flwr.serverapp import Grid, ServerApp
 from omegaconf import DictConfig, open_dict
 
 from fedsim import keys
+from fedsim.config import compose
 from fedsim.errors import ConfigError
 from fedsim.grid_utils import GridView
 
@@ -89,26 +90,15 @@ def compose_config(overrides: list[str]) -> tuple[DictConfig, dict]:
     DeployConfigError
         When Hydra cannot compose the config (unknown key or group option, bad override syntax).
     """
-    from hydra import compose, initialize_config_dir, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
     kind, where = _config_source()
-    GlobalHydra.instance().clear()
-    init = (
-        initialize_config_dir(config_dir=where, version_base=None)
-        if kind == "dir"
-        else initialize_config_module(config_module=where, version_base=None)
-    )
     try:
-        with init:
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+        cfg = compose(*overrides, config_dir=where if kind == "dir" else None, return_hydra_config=True)
     except HydraException as e:
         raise DeployConfigError(
             f"fedsim config error in overrides {' '.join(overrides)!r}: {_one_line(e)}"
         ) from None
-    finally:
-        GlobalHydra.instance().clear()
     choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
     with open_dict(cfg):
         del cfg["hydra"]

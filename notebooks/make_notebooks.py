@@ -14,23 +14,19 @@ SETUP = '''import json, os
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from hydra import compose, initialize_config_module
-from hydra.core.global_hydra import GlobalHydra
-
 from fedsim.cli import quiet_loggers
+from fedsim.config import compose, flower_env
 from fedsim.run import run_experiment
 
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+flower_env()
 quiet_loggers()
 SMALL = os.environ.get("FEDSIM_NB_SMALL") == "1"   # tiny settings for CI
 OUT = Path("nb_outputs")
 
 
 def config(*overrides):
-    """Compose fedsim's config with Hydra's compose API."""
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="fedsim.conf", version_base=None):
-        return compose(config_name="config", overrides=["quiet=true", *overrides])
+    """fedsim's config with these overrides, as on the command line."""
+    return compose("quiet=true", *overrides)
 
 
 def metrics(run_dir):

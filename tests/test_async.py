@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import compose_cfg, read_metrics, run_tiny, without_wall_time
+from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim.errors import ConfigError
 from fedsim.run import run_experiment

@@ -8,12 +8,13 @@ import sys
 
 import pytest
 import torch
-from conftest import compose_cfg
+from helpers import compose_cfg
 
+from fedsim.config import FLOWER_ENV
 from fedsim.errors import ConfigError
 from fedsim.run import run_experiment
 
-ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1"}
+ENV = {**os.environ, **FLOWER_ENV}
 
 
 def fedsim(*args, cwd):

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import compose_cfg, read_metrics
+from helpers import compose_cfg, read_metrics
 from omegaconf import OmegaConf
 
 from fedsim import build

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import read_metrics, run_tiny, without_wall_time
+from helpers import read_metrics, run_tiny, without_wall_time
 
 
 @pytest.mark.slow

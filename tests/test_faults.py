@@ -4,7 +4,7 @@ import logging
 from collections import Counter
 
 import pytest
-from conftest import read_metrics, run_tiny
+from helpers import read_metrics, run_tiny
 
 from fedsim.errors import ConfigError
 from fedsim.faults import FaultRates

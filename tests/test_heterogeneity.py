@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from conftest import read_metrics, run_tiny
+from helpers import read_metrics, run_tiny
 
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError

@@ -7,8 +7,8 @@ import re
 
 import numpy as np
 import pytest
-from conftest import compose_cfg
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from helpers import compose_cfg
 from strategy_helpers import server_identity
 
 from fedsim import build, keys

@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
-from conftest import compose_cfg, read_metrics, run_tiny, without_wall_time
 from flwr.app import ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim import build, keys
 from fedsim.client_app import app as fedsim_app

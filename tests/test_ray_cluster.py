@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_tiny, without_wall_time
+from helpers import read_metrics, run_tiny, without_wall_time
 
+from fedsim.config import FLOWER_ENV
 from fedsim.deploy.launch import descendants, free_port, running, terminate
 from fedsim.errors import ConfigError
 
@@ -38,7 +39,7 @@ def ray_head():
     """A one-machine Ray cluster (2 CPUs) on a free port; yields ``(address, temp_dir)``."""
     port = free_port()
     temp = Path(tempfile.mkdtemp(prefix="fsray"))  # short: Ray's socket paths must stay under 108 bytes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    env = {**os.environ, **FLOWER_ENV}
     cmd = [
         "ray",
         "start",

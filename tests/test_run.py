@@ -1,11 +1,12 @@
 """End-to-end runs on the inprocess engine: outputs, reproducibility, sampling, failures, FedSGD."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
+from helpers import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim import keys
 from fedsim.engines.pool import PoolGrid
@@ -204,3 +205,19 @@ def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):
     assert summary["final_epsilon"] == recs[-1]["epsilon"] > 0
     assert (tmp_path / "model.pt").exists() and (tmp_path / "curves.png").exists()
     assert run_tiny(tmp_path / "no_dp")["final_epsilon"] is None
+
+
+def test_readme_lists_every_metrics_field_of_the_schema():
+    from fedsim import schema
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name, meaning in schema.FIELDS.items():
+        assert f"| `{name}` | {meaning} |" in readme, name
+
+
+def test_a_run_writes_only_fields_the_schema_names(tmp_path):
+    from fedsim import schema
+
+    run_tiny(tmp_path, "federated_eval=true", "clipping=fixed", "heterogeneity=lognormal")
+    seen = {k for r in read_metrics(tmp_path) for k in r}
+    assert seen <= set(schema.FIELDS), seen - set(schema.FIELDS)

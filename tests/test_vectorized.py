@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import compose_cfg, read_metrics, run_tiny, without_wall_time
+from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 from torch import nn
 
 from fedsim import build

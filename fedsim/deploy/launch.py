@@ -25,14 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from fedsim.config import FLOWER_ENV
 from fedsim.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, node_key_name
 
-# Offline, reproducible Flower processes: no telemetry, no update check, no `uv sync` of the app per run.
-FLWR_ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-}
+FLWR_ENV = FLOWER_ENV  # every Flower process the helper starts gets these (see fedsim.config)
 CONNECTION = "fedsim"  # name of the SuperLink connection written to $FLWR_HOME/config.toml
 FINISHED = "finished"
 

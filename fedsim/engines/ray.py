@@ -18,6 +18,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fedsim.config import flower_env
 from fedsim.errors import ConfigError, RunError
 from fedsim.grid_utils import GridView, first_line
 
@@ -153,7 +154,7 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
     with free ``client_resources``, so every node needs fedsim installed in the same environment.
     """
     preflight(backend)
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    flower_env()
     from flwr.simulation import run_simulation
 
     from fedsim.client_app import app as client_app

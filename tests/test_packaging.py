@@ -1,0 +1,77 @@
+"""The package as users install it: one top-level package, and no clash with a user's own ``strategies/``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from fedsim.config import FLOWER_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_fedsim_runs_from_a_folder_holding_its_own_strategies_package(tmp_path):
+    # a research project with its own `strategies` package (and a PyPI package of that name could exist too)
+    (tmp_path / "strategies").mkdir()
+    (tmp_path / "strategies" / "__init__.py").write_text("raise ImportError('not fedsim')\n")
+    (tmp_path / "strategies" / "fedavg.py").write_text("FedAvg = None\n")
+    env = {**os.environ, **FLOWER_ENV, "PYTHONPATH": str(tmp_path)}
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fedsim",
+            "num_rounds=1",
+            "num_clients=4",
+            "clients_per_round=2",
+            "quiet=true",
+            f"hydra.run.dir={out}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    assert summary["config"]["strategy"]["_target_"] == "fedsim.strategies.fedavg.FedAvg"
+
+
+@pytest.mark.slow
+def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(clone),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
+    [wheel] = tmp_path.glob("fedsim-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"fedsim", wheel.name.split("-py")[0] + ".dist-info"}, top
+    assert "fedsim/strategies/base.py" in names and "fedsim/conf/config.yaml" in names
