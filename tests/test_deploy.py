@@ -35,6 +35,7 @@ from fedsim.deploy.launch import running
 from fedsim.node_data import save_node_data
 from fedsim.server_app import DeployConfigError, experiment_from
 
+
 APP = Path(__file__).resolve().parents[1]  # the Flower App folder (pyproject.toml with [tool.flwr.app])
 N = 3
 # Tiny and fast: 60 features, an MLP, 3 clients all sampled every round.
@@ -146,6 +147,7 @@ def test_pyproject_declares_the_flower_app():
 
 
 @needs_flower
+@pytest.mark.slow  # starts Flower's processes
 def test_commands_use_flags_the_installed_flower_has(tmp_path):
     """Every flag fedsim passes exists in this Flower's --help (1.42 changed several)."""
     sec = Security(tls=True, auth=True, certs=tmp_path)
@@ -222,6 +224,7 @@ def test_bad_node_settings_are_refused_before_starting(tmp_path):
         check_node(dead, 0, 3, None, None, None, wait=1)
 
 
+@pytest.mark.slow  # starts Flower's processes
 def test_supernode_subcommand_exits_with_the_error(tmp_path, capsys):
     from fedsim.deploy.__main__ import main
 
@@ -304,6 +307,7 @@ def _wait_for(cond, timeout: float, what: str) -> None:
 
 
 @needs_flower
+@pytest.mark.slow  # starts Flower's processes
 def test_unregistered_key_is_refused(fed):
     stranger = make_node_key(fed.root / "stranger" / "key")
     fed.start_supernode(0, N, key=stranger, name="stranger", max_wait_time=60)
@@ -342,6 +346,7 @@ def _check_replies(
 
 
 @needs_flower
+@pytest.mark.slow  # starts Flower's processes
 def test_fedbuff_in_wall_clock_arrival_order(fed):
     """FedBuff (K=2) with all three nodes busy: two server versions from real replies in arrival order."""
     overrides = [*TINY, "strategy=fedbuff", "strategy.buffer_size=2", "num_rounds=2", "round_timeout=120"]
@@ -362,6 +367,7 @@ def test_fedbuff_in_wall_clock_arrival_order(fed):
 
 
 @needs_flower
+@pytest.mark.slow  # starts Flower's processes
 def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     """Three synchronous FedAvg rounds; SuperNode 2 is killed (with its helpers) after round 2.
 
@@ -391,6 +397,7 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
 
 
+@pytest.mark.slow  # starts Flower's processes
 def test_local_submits_the_fedsim_checkout_wherever_it_is_started(tmp_path, monkeypatch):
     from fedsim.deploy.__main__ import app_folder
     from fedsim.deploy.launch import DeployError

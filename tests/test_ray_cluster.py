@@ -23,7 +23,10 @@ from fedsim.config import FLOWER_ENV
 from fedsim.deploy.launch import descendants, free_port, running, terminate
 from fedsim.errors import ConfigError
 
-pytestmark = pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not installed")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(shutil.which("ray") is None, reason="the ray CLI is not installed"),
+]
 
 
 def _answers(port: int) -> bool:
