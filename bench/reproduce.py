@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -69,11 +70,18 @@ SWEEPS = {
             "heterogeneity.straggler_prob=0.9 heterogeneity.partial_work=true seed=1",
         ),
     ],
+    # DP: Poisson sampling (the default) and, for comparison, fixed-size cohorts (replace-one accounting).
+    # noise_seed is set so that the tables can be reproduced; it is the server's secret, never sent to clients.
     "dp": [
-        ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8"),
+        ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8 clipping.noise_seed=1"),
         (
             "dp_adaptive",
-            "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm clipping.noise_multiplier=0,1,4",
+            "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm clipping.noise_multiplier=0,1,4 "
+            "clipping.noise_seed=1",
+        ),
+        (
+            "dp_fixed_size",
+            "experiment=dp_fedavg clipping.sampling=fixed clipping.noise_multiplier=1,4 clipping.noise_seed=1",
         ),
     ],
 }
@@ -192,23 +200,68 @@ def fedprox_table(out: Path, suffix: str = "") -> str:
     return "\n".join(lines)
 
 
+def independent_epsilon(s: dict, accountant: str = "rdp") -> float | None:
+    """epsilon of a DP run straight from dp-accounting (not through fedsim's accountant), or None without noise.
+
+    The DpEvent is rebuilt here from the run's config: Poisson sampling at q = m/N with add/remove-one
+    adjacency, or m of N without replacement with replace-one adjacency (sensitivity 2C, so the Gaussian's
+    multiplier is z/2; dp-accounting has no PLD for it). Every round drawn is charged, so T = rounds done.
+    """
+    import dp_accounting
+    from dp_accounting import NeighboringRelation
+    from dp_accounting.pld import PLDAccountant
+    from dp_accounting.rdp import RdpAccountant
+
+    c = s["config"]
+    z, delta, sampling = c["clipping"]["noise_multiplier"], c["clipping"]["delta"], c["clipping"]["sampling"]
+    n, m = int(c["num_clients"]), int(c["clients_per_round"])
+    if not z:
+        return None
+    if sampling == "poisson":
+        event = dp_accounting.PoissonSampledDpEvent(m / n, dp_accounting.GaussianDpEvent(z))
+        relation = NeighboringRelation.ADD_OR_REMOVE_ONE
+    elif accountant == "pld":
+        return None
+    else:
+        event = dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(z / 2))
+        relation = NeighboringRelation.REPLACE_ONE
+    acc = RdpAccountant(neighboring_relation=relation) if accountant == "rdp" else PLDAccountant(relation)
+    logging.getLogger("absl").setLevel(logging.ERROR)  # a warning per RDP order it skips
+    return acc.compose(dp_accounting.SelfComposedDpEvent(event, int(s["rounds_done"]))).get_epsilon(delta)
+
+
+def _eps(e: float | None, none: str = "∞ (no noise)") -> str:
+    return none if e is None else f"{e:.3f}"
+
+
 def dp_table(out: Path, sweep: str = "dp_fixed") -> str:
+    adaptive = sweep == "dp_adaptive"
     lines = [
-        "| z | final acc | best acc | ε at δ=1e-5 | clip norm C (last round) | noise std | "
-        "clipped fraction (last round) | wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| sampling | z | final acc | best acc | ε fedsim (RDP) | ε dp-accounting direct: RDP | PLD | "
+        "cohort size: mean (min–max) | rounds skipped | noise std (last) | "
+        + ("C (last) | noisy unclipped fraction (last) | " if adaptive else "")
+        + "wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if adaptive else "") + "---|",
     ]
     for s in runs(out, sweep):
         z = s["config"]["clipping"]["noise_multiplier"]
-        last = s["records"][-1]
-        eps = last.get("epsilon")
-        lines.append(
-            f"| {z:g} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
-            f"{'∞ (no noise)' if not eps else f'{eps:.2f}'} | "
-            f"{last.get('clip_norm', float('nan')):.3f} | "
-            f"{last.get('noise_std', 0.0):.4f} | "
-            f"{last.get('clipped_fraction', float('nan')):.2f} | {s['wall_time']:.0f} |"
+        recs = [r for r in s["records"] if r["round"] > 0]
+        done = [r for r in recs if not r.get("skipped")]
+        last = done[-1] if done else {}
+        sizes = [r["num_clients"] for r in recs]
+        direct = independent_epsilon(s)
+        pld = independent_epsilon(s, "pld")
+        sampling = s["config"]["clipping"]["sampling"] if z else "fixed (no DP)"
+        row = (
+            f"| {sampling} | {z:g} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
+            f"{_eps(s.get('final_epsilon'))} | {_eps(direct)} | {_eps(pld, '–') if z else '∞'} | "
+            f"{sum(sizes) / len(sizes):.1f} ({min(sizes)}–{max(sizes)}) | "
+            f"{sum(1 for r in recs if r.get('skipped'))} | {last.get('noise_std', 0.0):.4f} | "
         )
+        if adaptive:
+            frac = last.get("noisy_unclipped_fraction")
+            row += f"{last.get('clip_norm', float('nan')):.3f} | {'–' if frac is None else f'{frac:.2f}'} | "
+        lines.append(row + f"{s['wall_time']:.0f} |")
     return "\n".join(lines)
 
 
@@ -287,10 +340,16 @@ def figures(out: Path, dest: Path) -> None:
             pts = [(r["epsilon"], r["eval_accuracy"]) for r in s["records"] if r.get("epsilon")]
             if pts:
                 axes[1].plot(*zip(*pts), lw=1.2, label=f"z={z:g}", color=f"C{i}")
+        zs = [s["config"]["clipping"]["noise_multiplier"] for s in dp]
+        for s in runs(out, "dp_fixed_size"):  # fixed-size cohorts, replace-one: dashed, same colour per z
+            z = s["config"]["clipping"]["noise_multiplier"]
+            pts = [(r["epsilon"], r["eval_accuracy"]) for r in s["records"] if r.get("epsilon")]
+            color = f"C{zs.index(z)}" if z in zs else "grey"
+            axes[1].plot(*zip(*pts), lw=1.2, ls="--", label=f"z={z:g}, fixed size", color=color)
         axes[0].set_xlabel("round")
         axes[0].set_ylabel("test accuracy")
         axes[0].legend(fontsize=7)
-        axes[1].set_xlabel("ε (δ = 1e-5), accumulated")
+        axes[1].set_xlabel("ε (δ = 1e-5, RDP), accumulated")
         axes[1].set_xscale("log")
         axes[1].legend(fontsize=7)
         fig.tight_layout()
@@ -323,6 +382,9 @@ def main() -> None:
             print(dp_table(a.out))
             print("\nadaptive clipping (Andrew et al. 2021):\n")
             print(dp_table(a.out, "dp_adaptive"))
+            if (a.out / "dp_fixed_size").exists():
+                print("\nfixed-size cohorts (clipping.sampling=fixed, replace-one accounting):\n")
+                print(dp_table(a.out, "dp_fixed_size"))
     if a.figures:
         figures(a.out, a.figures)
 

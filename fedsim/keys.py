@@ -31,6 +31,7 @@ AGG_CLIP_NORM = "clip-norm"
 AGG_CLIPPED_FRACTION = "clipped-fraction"
 AGG_EPSILON = "epsilon"
 AGG_NOISE_STD = "noise-std"
+AGG_NOISY_UNCLIPPED_FRACTION = "noisy-unclipped-fraction"  # DP adaptive clipping: the private estimate b~
 
 # node_config keys (simulation sets the first two; deployment passes them with --node-config)
 NODE_PARTITION_ID = "partition-id"

@@ -1,34 +1,57 @@
-"""The wrapper machinery behind ``fedsim.strategies.clipping``: clip, noise, delegate, account.
+"""The wrapper machinery behind ``fedsim.strategies.clipping``: sample, clip, noise, delegate, account.
 
 DP-FedAvg (McMahan, Ramage, Talwar, Zhang, ICLR 2018, https://arxiv.org/abs/1710.06963) with fixed clipping,
 and adaptive clipping to a target quantile (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021,
-https://arxiv.org/abs/1905.03871). Per round:
+https://arxiv.org/abs/1905.03871).
 
-1. ``configure_train`` refuses to start a round whose release would exceed ``max_epsilon`` (``StopRun``),
-   remembers the global model ``x``, and with ``side="client"`` puts ``clip-norm`` into the train config
-   (fedsim's client clips and reports ``clipped`` and ``update-norm``).
-2. ``aggregate_train`` takes each update ``d_k = reply_k - x`` (floating-point arrays, flat over all of them),
+**DP mode** (``noise_multiplier = z > 0``). Per round:
+
+1. ``sample_cohort`` (fedsim's loop asks it for every round's cohort) charges the round to the accountant and
+   draws the cohort: with ``sampling="poisson"`` every client independently with probability
+   ``q = m / N`` (``m = clients_per_round``), so the cohort size varies; with ``sampling="fixed"`` exactly
+   ``m`` clients without replacement. epsilon is accounted for exactly that sampler
+   (``fedsim.strategies.accounting``: add/remove-one adjacency for Poisson, replace-one for fixed). The
+   round is charged **when its cohort is drawn**, not when it is aggregated: a round that the loop then
+   skips (an empty Poisson cohort, fewer than ``min_replies`` valid replies, every reply dropped) still
+   costs its epsilon. That is conservative (a skipped round releases no model) and keeps the accountant
+   independent of what happens after sampling. If one more round would take epsilon above ``max_epsilon``
+   nothing is charged and ``configure_train`` raises ``StopRun`` (the loop catches it there and stops
+   cleanly; so that it gets that far, ``sample_cohort`` then returns the whole population, to which nothing
+   is ever sent). Used outside fedsim's loop (no ``sample_cohort`` call), ``configure_train`` charges the
+   round instead, once per round number.
+2. ``configure_train`` remembers the global model ``x`` and with ``side="client"`` puts ``clip-norm`` into
+   the train config (fedsim's client clips and reports ``clipped`` and ``update-norm``).
+3. ``aggregate_train`` takes each update ``d_k = reply_k - x`` (floating-point arrays, flat over all of them),
    drops one holding NaN/Inf, and clips it to ``C`` (server side; client side it re-clips, which is a no-op
-   for honest clients, and warns about clients that did not clip).
-3. Without noise it hands the inner strategy new replies ``x + clip(d_k)`` with their own weights.
-   With ``noise_multiplier = z > 0`` (DP mode) the replies become ``x + (n/m) clip(d_k) + xi`` with
-   weight 1 each, where ``m = clients_per_round``, ``n`` the valid replies and ``xi ~ N(0, (z C / m)^2)`` one
-   draw shared by all replies (``z`` is AdaptiveClipping's reduced ``z_delta``). For a uniform mean this is
-   the fixed-denominator estimator
-   ``sum_k clip(d_k) / m + xi`` of DP-FedAvg: each client moves it by at most ``C / m`` even when replies are
-   missing, which is what the noise is calibrated to. Putting ``xi`` into the replies rather than onto the
-   inner strategy's output gives the same aggregate for any translation-equivariant rule (mean, median,
+   for honest clients, and warns about clients that did not clip). The replies become
+   ``x + (n/m) clip(d_k) + xi`` with weight 1 each, ``n`` the valid replies and ``xi ~ N(0, (z C / m)^2)``
+   one draw shared by all replies (``z`` is AdaptiveClipping's reduced ``z_delta``). For a uniform mean this
+   is the fixed-denominator estimator ``sum_k clip(d_k) / m + xi`` of DP-FedAvg: clients are weighted
+   uniformly (``num-examples`` is ignored) and each moves the release by at most ``C / m`` whatever the
+   cohort size, which is what the noise is calibrated to. Putting ``xi`` into the replies rather than onto
+   the inner strategy's output gives the same aggregate for any translation-equivariant rule (mean, median,
    trimmed mean, Krum) and means a server optimiser (FedAvgM, FedAdam...) only ever sees the noised
    pseudo-gradient, so its state is post-processing of private releases. The DP guarantee is for mean-type
    inner strategies; robust rules get the same noise but their sensitivity is not analysed here.
-4. Reports ``clip-norm`` (used this round), ``clipped-fraction`` (of the valid replies; a diagnostic, not
-   private), ``noise-std`` and, in DP mode, ``epsilon`` after this round (``fedsim.strategies.accounting``:
-   RDP, Poisson sampling with ``q = m / N``). Train metrics are not covered by the guarantee.
+4. Reports ``clip-norm`` (used this round; a function of earlier private releases), ``noise-std``,
+   ``epsilon`` (spent so far, including skipped rounds) and, for adaptive clipping, the noised unclipped
+   fraction ``noisy-unclipped-fraction`` it moves ``C`` with. No exact per-round client statistic is
+   reported (no exact ``clipped-fraction``, the clients' ``clipped``/``update-norm`` are dropped from the
+   train metrics) unless ``debug_metrics=True``, which breaks the guarantee. The example-weighted
+   ``train-loss`` is passed on and is not covered by the guarantee.
 5. ``AdaptiveClipping`` then moves ``C`` toward the ``target_quantile`` of the update norms.
 
-Noise is drawn from generators derived from ``(seed, purpose, round)``, so a resumed run draws the same
-numbers and no generator state needs saving. ``state_dict``/``load_state_dict`` hold the clip norm, the
-rounds accounted and the inner strategy's state.
+**Secrets.** The noise and the DP cohort are drawn from generators derived from ``noise_seed``, never from the
+run ``seed`` (every client receives the run seed in the client spec and could regenerate anything derived
+from it). ``noise_seed=None`` (the default) draws it from OS entropy (``np.random.SeedSequence()``); an
+operator may set it to reproduce a run. It stays on the server: the ``clipping`` config section is not part
+of the client spec. The seed in use is kept in ``state_dict`` (a resumed run draws the same noise and
+cohorts, bit-identical) and reported by ``summary_fields`` (``noise_seed`` in summary.json, which must then
+be kept as secret as the noise).
+
+**Without noise** (``z = 0``) nothing is private: ``sample_cohort`` returns the loop's own uniform draw of
+``m`` clients from the run seed (results are bit-identical to the loop's), the inner strategy keeps its own
+weights (``num-examples`` for FedAvg), and ``clipped-fraction`` is reported.
 """
 
 from __future__ import annotations
@@ -45,7 +68,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim import keys
 from fedsim.errors import ConfigError, StopRun
 from fedsim.strategies import base
-from fedsim.strategies.accounting import RoundAccountant
+from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.aggregate import (
     cast_like,
     clip,
@@ -59,8 +82,20 @@ from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics
 log = logging.getLogger("fedsim")
 
 SIDES = ("server", "client")
-UPDATE_NOISE, COUNT_NOISE = 0, 1  # purposes of the per-round generators
+# Draws from the secret noise_seed: np.random.default_rng([noise_seed, SECRET_TAG, purpose, round]). The tag keeps
+# them apart from every draw fedsim derives from the run seed ([seed, purpose, ...] with small purposes).
+SECRET_TAG = 0x5EC2E7
+COHORT, UPDATE_NOISE, COUNT_NOISE = 1, 2, 3
+# Without noise (nothing secret): the loop's cohort draw and the count noise derive from the run seed as before.
+_PUBLIC_COHORT, _PUBLIC_NOISE, _PUBLIC_PURPOSE = 1, 5, {UPDATE_NOISE: 0, COUNT_NOISE: 1}
 _CLIENT_TOLERANCE = 1e-3  # a client-clipped update may exceed C by this relative margin (float32 rounding)
+_CLIENT_STATISTICS = (keys.CLIPPED, keys.UPDATE_NORM)  # exact per-client values; dropped in DP mode
+
+
+def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(key, value, " or ".join(allowed))
+    return str(value)
 
 
 class ClippingWrapper(Strategy):
@@ -78,24 +113,78 @@ class ClippingWrapper(Strategy):
         max_epsilon: float | None,
         seed: int,
         clip_key: str = "clip_norm",
+        sampling: str = "poisson",
+        accountant: str = "rdp",
+        noise_seed: int | None = None,
+        debug_metrics: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
             raise ConfigError("strategy", type(strategy).__name__, "a flwr.serverapp.strategy.Strategy")
         self.num_clients = integer("num_clients", num_clients, 1)
+        if isinstance(clients_per_round, int) and clients_per_round > self.num_clients:
+            raise ConfigError(
+                "clients_per_round",
+                clients_per_round,
+                f"an integer in [1, num_clients={self.num_clients}]",
+                f"The sampling rate q = clients_per_round / num_clients = {clients_per_round / self.num_clients:g} "
+                "must be at most 1.",
+            )
         self.clients_per_round = integer("clients_per_round", clients_per_round, 1, self.num_clients)
         self.clip_norm = number(clip_key, clip_norm, 0.0, lo_open=True)
-        if side not in SIDES:
-            raise ConfigError("side", side, "server or client")
+        self.side = _choice("side", side, SIDES)
         self.noise_multiplier = number("noise_multiplier", noise_multiplier, 0.0)
         self.delta = number("delta", delta, 0.0, 1.0, lo_open=True, hi_open=True)
         self.seed = integer("seed", seed, 0)
-        self.strategy, self.side = strategy, side
+        self.sampling = _choice("sampling", sampling, SAMPLINGS)
+        self.accountant_name = _choice("accountant", accountant, ACCOUNTANTS)
+        if (self.sampling, self.accountant_name) == ("fixed", "pld"):
+            raise ConfigError(
+                "accountant",
+                accountant,
+                "rdp with sampling=fixed",
+                "dp-accounting's PLD accountant has no sampling-without-replacement event; "
+                "use clipping.sampling=poisson for PLD.",
+            )
+        if not isinstance(debug_metrics, bool):
+            raise ConfigError("debug_metrics", debug_metrics, "true or false")
+        self.debug_metrics = debug_metrics
+        if noise_seed is not None:
+            noise_seed = integer("noise_seed", noise_seed, 0)
+        self.strategy = strategy
         self.update_noise_multiplier = self.noise_multiplier  # AdaptiveClipping lowers it for the count query
-        self.accountant = None
-        if self.noise_multiplier > 0:
-            q = self.clients_per_round / self.num_clients
-            self.accountant = RoundAccountant(q, self.noise_multiplier, self.delta)
+        self.accountant: RoundAccountant | None = None
+        self.noise_seed: int | None = None
+        if self.dp:
+            if noise_seed is not None and noise_seed == self.seed:
+                raise ConfigError(
+                    "noise_seed",
+                    noise_seed,
+                    "null or an integer other than the run's seed",
+                    "Every client receives the run's seed, so noise drawn from it could be removed.",
+                )
+            # server-only secret: set by the operator, else 128 bits of OS entropy
+            self.noise_seed = int(noise_seed if noise_seed is not None else np.random.SeedSequence().entropy)
+            self.accountant = RoundAccountant(
+                self.num_clients,
+                self.clients_per_round,
+                self.noise_multiplier,
+                self.delta,
+                self.sampling,
+                self.accountant_name,
+            )
+            if self.delta >= 1 / self.num_clients:
+                log.warning(
+                    "clipping: delta=%g >= 1/num_clients=%g: such a guarantee allows releasing a client's "
+                    "data outright with probability delta; choose delta well below 1/num_clients",
+                    self.delta,
+                    1 / self.num_clients,
+                )
+            if self.debug_metrics:
+                log.warning(
+                    "clipping: debug_metrics=true reports exact per-round client statistics "
+                    "(clipped fraction, update norms): the privacy guarantee does not hold for metrics.jsonl"
+                )
         self.max_epsilon = None
         if max_epsilon is not None:
             self.max_epsilon = number("max_epsilon", max_epsilon, 0.0, lo_open=True)
@@ -113,13 +202,16 @@ class ClippingWrapper(Strategy):
                     f"at least {self.accountant.epsilon(1):.4g}, the epsilon of a single round",
                     "Raise noise_multiplier or max_epsilon.",
                 )
-            log.info(
-                "clipping: max_epsilon=%g allows %d rounds",
-                self.max_epsilon,
-                self.accountant.max_rounds(self.max_epsilon),
-            )
+            if self.accountant_name == "rdp":  # PLD costs about a second per evaluation: not precomputed
+                log.info(
+                    "clipping: max_epsilon=%g allows %d rounds",
+                    self.max_epsilon,
+                    self.accountant.max_rounds(self.max_epsilon),
+                )
         self.rounds_accounted = 0
+        self.last_round_charged = 0  # the round number the last charge was for (charged once per round)
         self.current: dict[str, np.ndarray] | None = None
+        self._stop_reason: str | None = None
 
     # ---------------------------------------------------------------- privacy bookkeeping
     @property
@@ -131,23 +223,56 @@ class ClippingWrapper(Strategy):
         """epsilon at ``delta`` spent so far (``None`` without noise)."""
         return None if self.accountant is None else self.accountant.epsilon(self.rounds_accounted)
 
+    def _charge(self, server_round: int) -> bool:
+        """Account for round ``server_round`` once; False (nothing charged) when it would exceed ``max_epsilon``."""
+        if server_round == self.last_round_charged:
+            return True
+        after = self.accountant.epsilon(self.rounds_accounted + 1)
+        if self.max_epsilon is not None and after > self.max_epsilon:
+            self._stop_reason = (
+                f"privacy budget: one more round would take epsilon from {self.epsilon():.4g} to "
+                f"{after:.4g} > max_epsilon={self.max_epsilon:g} (delta={self.delta:g})"
+            )
+            return False
+        self.rounds_accounted += 1
+        self.last_round_charged = server_round
+        return True
+
     def _rng(self, server_round: int, purpose: int) -> np.random.Generator:
-        return np.random.default_rng([self.seed, 5, server_round, purpose])
+        """The generator of ``purpose`` in ``server_round``: from the secret noise seed in DP mode."""
+        if self.dp:
+            return np.random.default_rng([self.noise_seed, SECRET_TAG, purpose, server_round])
+        return np.random.default_rng([self.seed, _PUBLIC_NOISE, server_round, _PUBLIC_PURPOSE[purpose]])
 
     # ---------------------------------------------------------------- Strategy interface
+    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int]:
+        """The partition ids of round ``server_round``'s cohort; in DP mode also charges the round.
+
+        DP mode: Poisson sampling at rate ``q = clients_per_round / num_clients`` (a cohort of varying size,
+        possibly empty) or ``clients_per_round`` clients without replacement (``sampling="fixed"``), drawn
+        from the secret noise seed. Without noise: the loop's own uniform draw from the run seed.
+        """
+        if (num_clients, clients_per_round) != (self.num_clients, self.clients_per_round):
+            raise RuntimeError(
+                f"{type(self).__name__} was built for num_clients={self.num_clients}, clients_per_round="
+                f"{self.clients_per_round} but asked to sample {clients_per_round} of {num_clients}"
+            )
+        if not self.dp:
+            rng = np.random.default_rng([self.seed, _PUBLIC_COHORT, server_round])
+            return sorted(int(p) for p in rng.choice(num_clients, size=clients_per_round, replace=False))
+        if not self._charge(server_round):
+            return list(range(num_clients))  # configure_train raises StopRun before anything is sent
+        rng = self._rng(server_round, COHORT)
+        if self.sampling == "poisson":
+            return [int(p) for p in np.flatnonzero(rng.random(num_clients) < clients_per_round / num_clients)]
+        return sorted(int(p) for p in rng.choice(num_clients, size=clients_per_round, replace=False))
+
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Stop if the budget is spent, remember the global model, ask clients to clip (client side)."""
-        if (
-            self.max_epsilon is not None
-            and self.accountant.epsilon(self.rounds_accounted + 1) > self.max_epsilon
-        ):
-            raise StopRun(
-                f"privacy budget: one more round would take epsilon from {self.epsilon():.4g} to "
-                f"{self.accountant.epsilon(self.rounds_accounted + 1):.4g} > max_epsilon="
-                f"{self.max_epsilon:g} (delta={self.delta:g})"
-            )
+        if self.dp and not self._charge(server_round):
+            raise StopRun(self._stop_reason)
         self.current = to_numpy(arrays)
         if self.side == "client":
             config[keys.CLIP_NORM] = self.clip_norm
@@ -156,7 +281,7 @@ class ClippingWrapper(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Clip, (noise,) delegate, account; see the module docstring."""
+        """Clip, (noise,) delegate, report; see the module docstring."""
         if self.current is None:
             raise RuntimeError(f"{type(self).__name__}.aggregate_train called before configure_train")
         c, m = self.clip_norm, self.clients_per_round
@@ -207,21 +332,21 @@ class ClippingWrapper(Strategy):
         if out is None:
             return None, metrics
         if self.dp:
-            self.rounds_accounted += 1
             # the replies' own weights: train_loss means the same with and without noise
             metrics = base.train_metrics(self.strategy, [msg for msg, _, _ in kept], weight_key) or metrics
-        report = {
-            keys.AGG_CLIP_NORM: c,
-            keys.AGG_CLIPPED_FRACTION: 1.0 - float(np.mean(bits)),
-            keys.AGG_NOISE_STD: sigma,
-        }
+            if metrics is not None and not self.debug_metrics:
+                metrics = {k: v for k, v in dict(metrics).items() if k not in _CLIENT_STATISTICS}
+        report = {keys.AGG_CLIP_NORM: c, keys.AGG_NOISE_STD: sigma}
+        if not self.dp or self.debug_metrics:
+            report[keys.AGG_CLIPPED_FRACTION] = 1.0 - float(np.mean(bits))
         if self.dp:
             report[keys.AGG_EPSILON] = self.epsilon()
-        self._after_round(server_round, bits)
+        report.update(self._after_round(server_round, bits))
         return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
 
-    def _after_round(self, server_round: int, unclipped: list[bool]) -> None:
-        """Hook run after a released round with the not-clipped bits of its valid replies."""
+    def _after_round(self, server_round: int, unclipped: list[bool]) -> dict[str, float]:
+        """Hook run after a released round with the not-clipped bits of its valid replies; its metrics."""
+        return {}
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -236,32 +361,66 @@ class ClippingWrapper(Strategy):
     def summary(self) -> None:
         """Log the clipping settings, then the inner strategy's summary."""
         log.info(
-            "%s: side=%s clip_norm=%g noise_multiplier=%g delta=%g max_epsilon=%s",
+            "%s: side=%s clip_norm=%g noise_multiplier=%g delta=%g max_epsilon=%s%s",
             type(self).__name__,
             self.side,
             self.clip_norm,
             self.noise_multiplier,
             self.delta,
             self.max_epsilon,
+            (
+                f" sampling={self.sampling} (q={self.clients_per_round / self.num_clients:g}, "
+                f"{ADJACENCY[self.sampling]}) accountant={self.accountant_name}; "
+                f"uniform weights, fixed denominator m={self.clients_per_round}"
+                if self.dp
+                else ""
+            ),
         )
         self.strategy.summary()
 
+    def summary_fields(self) -> dict[str, Any]:
+        """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency) and its seed.
+
+        ``epsilon`` (also written as ``final_epsilon``) is the accountant's total, skipped rounds included.
+        """
+        if not self.dp:
+            return {"sampling": "fixed", "noise_multiplier": 0.0}
+        eps = self.epsilon()
+        return {
+            "epsilon": eps,
+            "final_epsilon": eps,
+            "delta": self.delta,
+            "accountant": self.accountant_name,
+            "sampling": self.sampling,
+            "adjacency": ADJACENCY[self.sampling],
+            "noise_multiplier": self.noise_multiplier,
+            "rounds_accounted": self.rounds_accounted,
+            "noise_seed": self.noise_seed,
+            "debug_metrics": self.debug_metrics,
+        }
+
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Clip norm, rounds accounted, seed and the inner strategy's state (its ``state_dict`` or a pickle)."""
+        """Clip norm, accounting, the noise seed in use and the inner strategy's state (``state_dict`` or pickle)."""
         inner = base.state_dict(self.strategy)
         return {
             "clip_norm": self.clip_norm,
             "rounds_accounted": self.rounds_accounted,
+            "last_round_charged": self.last_round_charged,
             "seed": self.seed,
+            "noise_seed": self.noise_seed,
             "inner_state": inner,
             "inner_pickle": None if inner is not None else base.pickle(self.strategy),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what ``state_dict`` returned."""
+        """Restore what ``state_dict`` returned (a resumed run continues with the same noise seed)."""
         self.clip_norm = float(state["clip_norm"])
         self.rounds_accounted = int(state["rounds_accounted"])
+        self.last_round_charged = int(state.get("last_round_charged", 0))
+        if state.get("noise_seed") is not None:
+            self.noise_seed = int(state["noise_seed"])
+        self._stop_reason = None
         if state.get("inner_state") is not None:
             self.strategy.load_state_dict(state["inner_state"])
         elif state.get("inner_pickle") is not None:

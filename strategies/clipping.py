@@ -2,15 +2,17 @@
 
 ``FixedClipping`` is DP-FedAvg (McMahan, Ramage, Talwar, Zhang, ICLR 2018, https://arxiv.org/abs/1710.06963);
 ``AdaptiveClipping`` adapts the clip norm to a quantile of the update norms (Andrew, Thakkar, McMahan,
-Ramaswamy, NeurIPS 2021, https://arxiv.org/abs/1905.03871). The round-by-round pipeline (clip, fixed
-denominator, shared noise, accounting, ``StopRun`` at ``max_epsilon``, checkpoints) is in
-``fedsim.strategies.clip_wrapper``.
+Ramaswamy, NeurIPS 2021, https://arxiv.org/abs/1905.03871). The round-by-round pipeline (Poisson or fixed-size
+sampling, clip, fixed denominator, shared secret noise, accounting, ``StopRun`` at ``max_epsilon``, private
+metrics, checkpoints) is in ``fedsim.strategies.clip_wrapper``; the DpEvents and neighbouring relations in
+``fedsim.strategies.accounting``.
 """
 
 from __future__ import annotations
 
 from flwr.serverapp.strategy import Strategy
 
+from fedsim import keys
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
 from fedsim.strategies.checks import number
@@ -27,19 +29,32 @@ class FixedClipping(ClippingWrapper):
     num_clients : int
         Population size ``N`` (for the sampling rate ``q = m / N``).
     clients_per_round : int
-        Cohort size ``m``: the fixed denominator of the noise std ``z C / m``.
+        ``m``: the cohort size (its expected size with Poisson sampling) and the fixed denominator of the
+        DP estimate and of the noise std ``z C / m``.
     clip_norm : float
         ``C`` > 0.
     side : {"server", "client"}
         Who clips: the server, or the clients (``clip-norm`` in the train config).
     noise_multiplier : float
-        ``z`` >= 0; 0 = clipping only, no privacy guarantee.
+        ``z`` >= 0; 0 = clipping only, no privacy guarantee, the inner strategy's own weights. With ``z > 0``
+        clients are weighted uniformly: ``sum_k clip(d_k) / m + N(0, (z C / m)^2)``.
     delta : float
-        delta in (0, 1) at which epsilon is reported; keep it below ``1 / num_clients``.
+        delta in (0, 1) at which epsilon is reported; keep it below ``1 / num_clients`` (warned otherwise).
     max_epsilon : float or None
         Stop the run (``StopRun``) before a round that would take epsilon above this.
     seed : int
-        Seed of the noise (fedsim passes the run's seed).
+        The run's seed (fedsim passes it): only the cohort draw without noise uses it; it never seeds noise.
+    sampling : {"poisson", "fixed"}
+        DP-mode cohorts: each client with probability ``q = m / N`` (accounted with add/remove-one
+        adjacency), or exactly ``m`` without replacement (replace-one adjacency, sensitivity ``2C``).
+    accountant : {"rdp", "pld"}
+        dp-accounting's RDP or PLD accountant (PLD only with Poisson sampling).
+    noise_seed : int or None
+        Server-only seed of the noise and of the DP cohorts; ``None``: drawn from OS entropy. Must differ
+        from ``seed``, which every client receives.
+    debug_metrics : bool
+        Also report exact per-round client statistics (clipped fraction, update norms) in DP mode. This
+        breaks the privacy guarantee of metrics.jsonl; for debugging only.
     """
 
     def __init__(
@@ -53,6 +68,10 @@ class FixedClipping(ClippingWrapper):
         delta: float = 1e-5,
         max_epsilon: float | None = None,
         seed: int = 0,
+        sampling: str = "poisson",
+        accountant: str = "rdp",
+        noise_seed: int | None = None,
+        debug_metrics: bool = False,
     ) -> None:
         super().__init__(
             strategy,
@@ -64,6 +83,10 @@ class FixedClipping(ClippingWrapper):
             delta,
             max_epsilon,
             seed,
+            sampling=sampling,
+            accountant=accountant,
+            noise_seed=noise_seed,
+            debug_metrics=debug_metrics,
         )
 
 
@@ -78,11 +101,15 @@ class AdaptiveClipping(ClippingWrapper):
     With ``noise_multiplier = z > 0`` the count of unclipped updates gets noise of std ``clipped_count_stddev``
     (default ``max(m / 20, z)``: Andrew et al.'s ``m / 20``, raised to ``z`` for small cohorts) and the update noise multiplier becomes
     ``z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``, so that both queries together are accounted as one
-    Gaussian mechanism with multiplier ``z``; this needs ``z < 2 sigma_b``.
+    Gaussian mechanism with multiplier ``z``; this needs ``z < 2 sigma_b``. (Under add/remove-one the centred
+    count moves by 1/2 and the update sum by ``C``; under replace-one, for ``sampling="fixed"``, by 1 and ``2C``:
+    the same factor 2 on both, so the pair is still one Gaussian mechanism, with multiplier ``z / 2``.) In DP
+    mode the noised estimate is reported as ``noisy-unclipped-fraction``; the exact fraction is not.
 
     Parameters
     ----------
-    strategy, num_clients, clients_per_round, side, noise_multiplier, delta, max_epsilon, seed
+    strategy, num_clients, clients_per_round, side, noise_multiplier, delta, max_epsilon, seed, sampling, \
+    accountant, noise_seed, debug_metrics
         As for ``FixedClipping``.
     initial_clip_norm : float
         Starting ``C`` > 0 (paper: 0.1).
@@ -108,6 +135,10 @@ class AdaptiveClipping(ClippingWrapper):
         delta: float = 1e-5,
         max_epsilon: float | None = None,
         seed: int = 0,
+        sampling: str = "poisson",
+        accountant: str = "rdp",
+        noise_seed: int | None = None,
+        debug_metrics: bool = False,
     ) -> None:
         super().__init__(
             strategy,
@@ -120,6 +151,10 @@ class AdaptiveClipping(ClippingWrapper):
             max_epsilon,
             seed,
             clip_key="initial_clip_norm",
+            sampling=sampling,
+            accountant=accountant,
+            noise_seed=noise_seed,
+            debug_metrics=debug_metrics,
         )
         self.target_quantile = number(
             "target_quantile", target_quantile, 0.0, 1.0, lo_open=True, hi_open=True
@@ -142,11 +177,12 @@ class AdaptiveClipping(ClippingWrapper):
                 "Raise clipped_count_stddev (default max(clients_per_round / 20, noise_multiplier)) or lower noise_multiplier.",
             ) from None
 
-    def _after_round(self, server_round: int, unclipped: list[bool]) -> None:
-        """Geometric clip-norm update from the (noised) unclipped fraction."""
+    def _after_round(self, server_round: int, unclipped: list[bool]) -> dict[str, float]:
+        """Geometric clip-norm update from the (noised) unclipped fraction; reports it in DP mode."""
         noise = 0.0
         if self.clipped_count_stddev > 0:
             noise = float(self._rng(server_round, COUNT_NOISE).normal(0.0, self.clipped_count_stddev))
         denominator = self.clients_per_round if self.dp else len(unclipped)
         frac = noisy_unclipped_fraction(unclipped, denominator, noise)
         self.clip_norm = adaptive_clip_norm(self.clip_norm, frac, self.target_quantile, self.clip_norm_lr)
+        return {keys.AGG_NOISY_UNCLIPPED_FRACTION: frac} if self.dp else {}

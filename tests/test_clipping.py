@@ -157,12 +157,18 @@ def test_noise_std_is_z_c_over_m_empirically():
     np.testing.assert_allclose(stds, z * c / m, rtol=0.01)  # 200k draws each: relative error ~0.2 %
 
 
-def test_noise_is_seeded():
-    def out(seed):
-        s = fixed(noise_multiplier=1.0, seed=seed)
+def test_noise_comes_from_the_server_only_noise_seed_not_the_run_seed():
+    def out(seed, noise_seed):
+        s = fixed(noise_multiplier=1.0, seed=seed, noise_seed=noise_seed)
         return run_round(s, 1, G, make_replies(_updates(4, 0.1)))[0]["w"]
 
-    assert np.array_equal(out(1), out(1)) and not np.array_equal(out(1), out(2))
+    assert np.array_equal(out(1, 11), out(1, 11))
+    assert np.array_equal(out(1, 11), out(2, 11))  # the run seed (sent to clients) plays no part
+    assert not np.array_equal(out(1, 11), out(1, 12))
+    assert not np.array_equal(out(1, None), out(1, None))  # null: fresh OS entropy every time
+    drawn = fixed(noise_multiplier=1.0, seed=1)
+    assert drawn.noise_seed is not None and drawn.noise_seed >= 2**64  # 128 bits of entropy (almost surely)
+    assert drawn.summary_fields()["noise_seed"] == drawn.state_dict()["noise_seed"] == drawn.noise_seed
 
 
 def test_dp_mode_uses_the_fixed_denominator_and_uniform_weights():
@@ -189,16 +195,39 @@ def test_train_metrics_keep_their_example_weights_with_and_without_noise(z):
 
 # ---------------------------------------------------------------- accounting and budget
 def test_round_accountant_matches_the_reference_table_and_dp_accounting():
+    # ../ALGORITHMS.md "computed here" table: (N, m) with q = m / N, z, T, delta, epsilon (RDP), epsilon (PLD)
     table = [
-        (0.01, 1.0, 1000, 1e-5, 2.101),
-        (0.01, 0.5, 1000, 1e-5, 15.472),
-        (0.1, 1.0, 100, 1e-5, 7.904),
-        (0.05, 1.0, 1500, 1e-5, 15.143),
-        (0.05, 1.0, 1500, 1e-3, 11.771),
-        (100 / 3400, 1.0, 1500, 1e-5, 8.159),
+        (1000, 10, 1.0, 1000, 1e-5, 2.101, 1.828),
+        (1000, 10, 0.5, 1000, 1e-5, 15.472, 13.361),
+        (1000, 100, 1.0, 100, 1e-5, 7.904, 7.047),
+        (1000, 50, 1.0, 1500, 1e-5, 15.143, 13.885),
+        (1000, 50, 1.0, 1500, 1e-3, 11.771, 10.441),
+        (3400, 100, 1.0, 1500, 1e-5, 8.159, 7.459),
     ]
-    for q, z, t, delta, eps in table:
-        assert RoundAccountant(q, z, delta).epsilon(t) == pytest.approx(eps, abs=1e-3)
+    for n, m, z, t, delta, rdp, pld in table:
+        assert RoundAccountant(n, m, z, delta).epsilon(t) == pytest.approx(rdp, abs=1e-3)
+        assert RoundAccountant(n, m, z, delta, accountant="pld").epsilon(t) == pytest.approx(pld, abs=1e-3)
+
+
+def test_fixed_size_sampling_is_accounted_without_replacement_under_replace_one():
+    """The reviewer's figure: 100 of 1000 without replacement, z = 1, 100 rounds, delta = 1e-5 gives 83.9."""
+    acc = RoundAccountant(1000, 100, 1.0, 1e-5, sampling="fixed")
+    assert acc.epsilon(100) == pytest.approx(83.937, abs=1e-3)
+    assert acc.relation == dp_accounting.NeighboringRelation.REPLACE_ONE
+    event = dp_accounting.SampledWithoutReplacementDpEvent(1000, 100, dp_accounting.GaussianDpEvent(0.5))
+    direct = RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    assert acc.epsilon(7) == pytest.approx(
+        direct.compose(dp_accounting.SelfComposedDpEvent(event, 7)).get_epsilon(1e-5), rel=1e-12
+    )
+    with pytest.raises(ValueError, match="PLD"):
+        RoundAccountant(1000, 100, 1.0, 1e-5, sampling="fixed", accountant="pld")
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "pld"])
+def test_max_rounds_is_the_last_round_within_the_budget(accountant):
+    acc = RoundAccountant(40, 4, 1.0, 1e-5, accountant=accountant)
+    budget = (acc.epsilon(5) + acc.epsilon(6)) / 2
+    assert acc.max_rounds(budget) == 5 and acc.max_rounds(acc.epsilon(1) / 2) == 0
 
 
 def test_reported_epsilon_matches_dp_accounting_directly():
@@ -212,7 +241,7 @@ def test_reported_epsilon_matches_dp_accounting_directly():
 
 
 def test_stop_run_before_the_round_that_would_exceed_the_budget():
-    acc = RoundAccountant(4 / 40, 1.0, 1e-5)
+    acc = RoundAccountant(40, 4, 1.0, 1e-5)
     budget = (acc.epsilon(2) + acc.epsilon(3)) / 2
     s = fixed(num_clients=40, clients_per_round=4, noise_multiplier=1.0, max_epsilon=budget)
     for rnd in (1, 2):
@@ -240,7 +269,13 @@ def test_stop_run_before_the_round_that_would_exceed_the_budget():
         (lambda: adaptive(clip_norm_lr=0.0), "clip_norm_lr"),
         (lambda: adaptive(clipped_count_stddev=-1.0), "clipped_count_stddev"),
         (lambda: adaptive(noise_multiplier=0.5, clipped_count_stddev=0.0), "noise_multiplier"),
-        (lambda: fixed(clients_per_round=30), "clients_per_round"),
+        (lambda: fixed(clients_per_round=30), "clients_per_round"),  # q = 30 / 20 > 1
+        (lambda: fixed(sampling="bogus"), "sampling"),
+        (lambda: fixed(accountant="bogus"), "accountant"),
+        (lambda: fixed(noise_multiplier=1.0, sampling="fixed", accountant="pld"), "accountant"),
+        (lambda: fixed(noise_multiplier=1.0, seed=3, noise_seed=3), "noise_seed"),  # clients know the seed
+        (lambda: fixed(noise_seed=-1), "noise_seed"),
+        (lambda: fixed(debug_metrics="yes"), "debug_metrics"),
     ],
 )
 def test_bad_parameters_raise_config_error_naming_the_key(make, key):
@@ -271,3 +306,106 @@ def test_state_dict_resumes_clip_norm_accounting_and_inner_state():
     ((out_b, m_b),) = go(b, (3,), g2)
     assert m_a == m_b
     assert all(np.array_equal(out_a[k], out_b[k]) for k in out_a)
+
+
+# ---------------------------------------------------------------- sampling (the hook of fedsim's loop)
+def _loop_draw(seed, rnd, n, m):
+    """The synchronous loop's own cohort: m of n without replacement, from (seed, 1, round)."""
+    return sorted(int(p) for p in np.random.default_rng([seed, 1, rnd]).choice(n, size=m, replace=False))
+
+
+def test_without_noise_the_cohort_is_the_loops_own_uniform_draw():
+    s = fixed(num_clients=20, clients_per_round=4, seed=5)
+    for rnd in (1, 2, 7):
+        assert s.sample_cohort(rnd, 20, 4) == _loop_draw(5, rnd, 20, 4)  # z = 0 runs stay bit-identical
+    assert s.rounds_accounted == 0
+
+
+def test_poisson_cohorts_vary_in_size_with_inclusion_rate_q():
+    s = fixed(num_clients=50, clients_per_round=10, noise_multiplier=5.0, noise_seed=42)
+    cohorts = [s.sample_cohort(rnd, 50, 10) for rnd in range(1, 401)]
+    sizes = [len(c) for c in cohorts]
+    assert len(set(sizes)) > 5 and min(sizes) < 10 < max(sizes)
+    assert np.mean(sizes) == pytest.approx(10, rel=0.05)  # E|cohort| = qN = m; sd of the mean ~ 0.14
+    assert all(c == sorted(set(c)) and all(0 <= p < 50 for p in c) for c in cohorts)
+    counts = np.bincount(np.concatenate(cohorts), minlength=50) / 400
+    assert counts.mean() == pytest.approx(0.2, rel=0.05) and counts.min() > 0.1  # every client at rate q
+    assert s.rounds_accounted == 400  # every drawn round is charged
+    again = fixed(num_clients=50, clients_per_round=10, noise_multiplier=5.0, noise_seed=42, seed=9)
+    assert again.sample_cohort(3, 50, 10) == cohorts[2]  # from the noise seed only, not the run seed
+
+
+def test_fixed_sampling_draws_exactly_m_from_the_secret_seed():
+    s = fixed(num_clients=50, clients_per_round=10, noise_multiplier=1.0, sampling="fixed", noise_seed=4)
+    cohorts = [s.sample_cohort(rnd, 50, 10) for rnd in range(1, 21)]
+    assert all(len(c) == len(set(c)) == 10 for c in cohorts)
+    assert all(c != _loop_draw(0, rnd, 50, 10) for rnd, c in enumerate(cohorts, 1))
+
+
+def test_a_round_is_charged_once_when_its_cohort_is_drawn_skipped_or_not():
+    s = fixed(num_clients=40, clients_per_round=4, noise_multiplier=1.0, noise_seed=1)
+    s.sample_cohort(1, 40, 4)
+    assert s.rounds_accounted == 1
+    _, metrics = run_round(s, 1, G, make_replies(_updates(4, 0.5)))  # configure_train: same round, no charge
+    assert s.rounds_accounted == 1 and metrics[keys.AGG_EPSILON] == s.accountant.epsilon(1)
+    s.sample_cohort(2, 40, 4)  # round 2 is skipped by the loop: no configure/aggregate, still charged
+    s.sample_cohort(3, 40, 4)
+    _, metrics = run_round(s, 3, G, make_replies(_updates(4, 0.5)))
+    assert s.rounds_accounted == 3 and metrics[keys.AGG_EPSILON] == s.accountant.epsilon(3)
+    assert s.summary_fields()["epsilon"] == s.summary_fields()["final_epsilon"] == s.accountant.epsilon(3)
+
+
+def test_an_exhausted_budget_charges_nothing_and_stops_in_configure_train():
+    acc = RoundAccountant(40, 4, 1.0, 1e-5)
+    s = fixed(num_clients=40, clients_per_round=4, noise_multiplier=1.0, max_epsilon=acc.epsilon(2) + 1e-9)
+    s.sample_cohort(1, 40, 4)
+    s.sample_cohort(2, 40, 4)
+    assert s.sample_cohort(3, 40, 4) == list(range(40))  # non-empty, so the loop reaches configure_train
+    with pytest.raises(StopRun, match="max_epsilon"):
+        configure(s, 3, G)
+    assert s.rounds_accounted == 2 and s.epsilon() == acc.epsilon(2)
+
+
+def test_q_above_one_names_clients_per_round_and_q():
+    with pytest.raises(ConfigError, match=r"q = clients_per_round / num_clients = 1\.5") as err:
+        fixed(num_clients=20, clients_per_round=30, noise_multiplier=1.0)
+    assert err.value.key == "clients_per_round"
+
+
+def test_delta_at_least_one_over_n_warns(caplog):
+    fixed(num_clients=20, clients_per_round=4, noise_multiplier=1.0, delta=0.05)
+    assert "delta=0.05 >= 1/num_clients=0.05" in caplog.text
+    caplog.clear()
+    fixed(num_clients=20, clients_per_round=4, noise_multiplier=1.0, delta=0.01)
+    assert "delta" not in caplog.text
+
+
+# ---------------------------------------------------------------- only private releases in DP mode
+def test_dp_metrics_hold_no_exact_client_statistic_unless_debug_metrics():
+    models = _updates(4, 3.0)
+
+    def metrics(**kw):
+        s = fixed(noise_multiplier=1.0, side="client", clip_norm=0.5, noise_seed=1, **kw)
+        replies = make_replies(models, clipped=1.0, update_norm=3.0)
+        return run_round(s, 1, G, replies)[1]
+
+    private = metrics()
+    assert set(private) == {keys.TRAIN_LOSS, keys.AGG_CLIP_NORM, keys.AGG_NOISE_STD, keys.AGG_EPSILON} | (
+        set(private) & {keys.NUM_EXAMPLES, keys.PARTITION_ID, keys.NUM_STEPS}  # skipped by the loop
+    )
+    debug = metrics(debug_metrics=True)
+    assert debug[keys.AGG_CLIPPED_FRACTION] == 1.0 and debug[keys.UPDATE_NORM] == 3.0
+    assert debug[keys.CLIPPED] == 1.0
+    # without noise there is nothing to protect: the exact fraction is reported as before
+    plain = run_round(fixed(clip_norm=0.5), 1, G, make_replies(models))[1]
+    assert plain[keys.AGG_CLIPPED_FRACTION] == 1.0
+
+
+def test_adaptive_dp_reports_the_noised_unclipped_fraction_it_moves_c_with():
+    s = adaptive(num_clients=40, clients_per_round=4, noise_multiplier=1.0, noise_seed=3, clip_norm_lr=0.2)
+    c0 = s.clip_norm
+    _, metrics = run_round(s, 1, G, make_replies(_updates(4, 50.0)))  # every update clipped: exact b = 0
+    assert keys.AGG_CLIPPED_FRACTION not in metrics
+    b = metrics[keys.AGG_NOISY_UNCLIPPED_FRACTION]
+    assert b != 0.0  # noised
+    assert s.clip_norm == pytest.approx(c0 * math.exp(-0.2 * (b - 0.5)))

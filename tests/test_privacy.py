@@ -1,0 +1,260 @@
+"""DP end to end (issue 13): the sampler that runs is the one accounted for, the noise is secret from clients,
+metrics.jsonl holds only private releases about clients, and a DP run resumes with its own noise.
+
+epsilon is recomputed here with dp-accounting directly (the DpEvent is built in this file, not taken from
+``fedsim.strategies.accounting``) and compared with what a tiny run wrote into metrics.jsonl and summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+
+import dp_accounting
+import numpy as np
+import pytest
+import torch
+from dp_accounting import NeighboringRelation
+from dp_accounting.pld import PLDAccountant
+from dp_accounting.rdp import RdpAccountant
+from flwr.app import ArrayRecord
+from strategy_helpers import flower_kwargs
+
+from fedsim import keys
+from fedsim.strategies.clip_wrapper import SECRET_TAG, UPDATE_NOISE
+from fedsim.strategies.clipping import FixedClipping
+from fedsim.strategies.fedavg import FedAvg
+
+try:  # the tiny-run helpers: tests/helpers.py, formerly tests/conftest.py
+    from helpers import read_metrics, run_tiny, without_wall_time
+except ImportError:
+    from conftest import read_metrics, run_tiny, without_wall_time
+
+DP = ["clipping=fixed", "clipping.noise_multiplier=1.0"]
+
+
+def direct_epsilon(
+    sampling: str, accountant: str, n: int, m: int, z: float, delta: float, rounds: int
+) -> float:
+    """epsilon of ``rounds`` DP-FedAvg rounds, straight from dp-accounting.
+
+    Poisson sampling at q = m/n, add/remove one client: the sum of clipped updates moves by C, noise std z C.
+    Fixed-size sampling without replacement, replace one client: the sum moves by up to 2C, so the Gaussian's
+    noise-to-sensitivity ratio is z / 2.
+    """
+    if sampling == "poisson":
+        event = dp_accounting.PoissonSampledDpEvent(m / n, dp_accounting.GaussianDpEvent(z))
+        relation = NeighboringRelation.ADD_OR_REMOVE_ONE
+    else:
+        event = dp_accounting.SampledWithoutReplacementDpEvent(n, m, dp_accounting.GaussianDpEvent(z / 2))
+        relation = NeighboringRelation.REPLACE_ONE
+    acc = RdpAccountant(neighboring_relation=relation) if accountant == "rdp" else PLDAccountant(relation)
+    return acc.compose(dp_accounting.SelfComposedDpEvent(event, rounds)).get_epsilon(delta)
+
+
+def cohort_sizes(noise_seed: int, n: int, m: int, rounds: int) -> list[int]:
+    """The Poisson cohort sizes a DP run with this noise seed will draw (the wrapper is deterministic in it)."""
+    s = FixedClipping(FedAvg(**flower_kwargs()), n, m, noise_multiplier=1.0, noise_seed=noise_seed)
+    return [len(s.sample_cohort(r, n, m)) for r in range(1, rounds + 1)]
+
+
+def seed_where(pred, n: int, m: int, rounds: int) -> int:
+    """The first noise seed whose cohorts satisfy ``pred(sizes)``."""
+    return next(ns for ns in range(1, 1000) if pred(cohort_sizes(ns, n, m, rounds)))
+
+
+# ---------------------------------------------------------------- 1. sampling and accounting agree
+@pytest.mark.parametrize("sampling, accountant", [("poisson", "rdp"), ("poisson", "pld"), ("fixed", "rdp")])
+def test_epsilon_per_round_equals_dp_accounting_for_the_sampler_that_ran(tmp_path, sampling, accountant):
+    n, m, rounds = 20, 5, 3
+    ns = seed_where(lambda s: min(s) >= 1, n, m, rounds)
+    summary = run_tiny(
+        tmp_path,
+        *DP,
+        f"num_clients={n}",
+        f"clients_per_round={m}",
+        f"num_rounds={rounds}",
+        f"clipping.sampling={sampling}",
+        f"clipping.accountant={accountant}",
+        f"clipping.noise_seed={ns}",
+    )
+    records = read_metrics(tmp_path)[1:]
+    assert [r["round"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert r["epsilon"] == pytest.approx(
+            direct_epsilon(sampling, accountant, n, m, 1.0, 1e-5, r["round"]), abs=5e-4
+        )
+    sizes = [r["num_clients"] for r in records]
+    if sampling == "fixed":
+        assert sizes == [m] * rounds
+    else:
+        assert sizes == cohort_sizes(ns, n, m, rounds)
+    assert summary["final_epsilon"] == summary["epsilon"] == records[-1]["epsilon"]
+    assert (summary["delta"], summary["accountant"], summary["sampling"]) == (1e-5, accountant, sampling)
+    assert summary["adjacency"] == {"poisson": "add_or_remove_one", "fixed": "replace_one"}[sampling]
+    assert summary["noise_multiplier"] == 1.0 and summary["noise_seed"] == ns
+
+
+def test_poisson_cohorts_vary_and_skipped_rounds_are_charged(tmp_path):
+    # q = 0.5 over 6 clients; rounds with fewer than min_replies = 3 sampled clients are skipped
+    n, m, rounds = 6, 3, 6
+    ns = seed_where(lambda s: min(s) < 3 <= s[0] and len(set(s)) > 2, n, m, rounds)
+    summary = run_tiny(
+        tmp_path,
+        *DP,
+        f"num_clients={n}",
+        f"clients_per_round={m}",
+        f"num_rounds={rounds}",
+        "min_replies=3",
+        f"clipping.noise_seed={ns}",
+    )
+    records = read_metrics(tmp_path)[1:]
+    sizes = cohort_sizes(ns, n, m, rounds)
+    skipped = [r["round"] for r in records if r.get("skipped")]
+    assert skipped == [i + 1 for i, size in enumerate(sizes) if size < 3] != []
+    kept = [r for r in records if not r.get("skipped")]
+    assert len({r["num_clients"] for r in kept}) > 1  # the cohort size varies
+    for r in kept:  # epsilon after round r counts every round drawn so far, skipped ones included
+        assert r["epsilon"] == pytest.approx(direct_epsilon("poisson", "rdp", n, m, 1.0, 1e-5, r["round"]))
+    assert summary["final_epsilon"] == pytest.approx(
+        direct_epsilon("poisson", "rdp", n, m, 1.0, 1e-5, rounds)
+    )
+    assert summary["rounds_accounted"] == rounds
+
+
+def test_the_budget_stop_still_works_with_poisson_sampling(tmp_path):
+    budget = (
+        direct_epsilon("poisson", "rdp", 6, 3, 1.0, 1e-5, 3)
+        + direct_epsilon("poisson", "rdp", 6, 3, 1.0, 1e-5, 4)
+    ) / 2
+    ns = seed_where(lambda s: min(s) >= 1, 6, 3, 4)
+    summary = run_tiny(
+        tmp_path, *DP, "num_rounds=10", f"clipping.max_epsilon={budget}", f"clipping.noise_seed={ns}"
+    )
+    assert summary["status"] == "stopped" and "max_epsilon" in summary["stop_reason"]
+    assert summary["rounds_done"] == 3 and summary["final_epsilon"] <= budget
+
+
+# ---------------------------------------------------------------- 2. noise nobody else can predict
+class _Tap:
+    """Records every message fedsim's local grid sends to a client."""
+
+    def __init__(self, monkeypatch):
+        from fedsim.engines.pool import PoolGrid
+
+        self.sent = []
+        original = PoolGrid.push_messages
+
+        def push(grid, messages):
+            messages = list(messages)
+            self.sent.extend(messages)
+            return original(grid, messages)
+
+        monkeypatch.setattr(PoolGrid, "push_messages", push)
+
+    def texts(self) -> list[str]:
+        """Every non-array record value and the metadata of every message, as text."""
+        out = []
+        for msg in self.sent:
+            out.append(repr(msg.metadata))
+            for name, rec in msg.content.items():
+                if not isinstance(rec, ArrayRecord):
+                    out.extend(f"{name}.{k}={v!r}" for k, v in rec.items())
+        return out
+
+    def train_models(self, rnd: int) -> list[dict[str, np.ndarray]]:
+        found = []
+        for msg in self.sent:
+            if (
+                msg.metadata.message_type == "train"
+                and msg.content[keys.CONFIG].get(keys.SERVER_ROUND) == rnd
+            ):
+                found.append({k: a.numpy() for k, a in msg.content[keys.ARRAYS].items()})
+        return found
+
+
+@pytest.mark.parametrize("noise_seed", [918273645, None])
+def test_no_message_to_a_client_carries_the_noise_seed(tmp_path, monkeypatch, noise_seed):
+    tap = _Tap(monkeypatch)
+    extra = [] if noise_seed is None else [f"clipping.noise_seed={noise_seed}"]
+    summary = run_tiny(
+        tmp_path, "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client",
+        "federated_eval=true", *extra,
+    )  # fmt: skip
+    secret = str(summary["noise_seed"])
+    assert noise_seed is None or secret == str(noise_seed)
+    texts = tap.texts()
+    assert any(keys.RUN_SPEC in t for t in texts) and any(keys.CLIP_NORM in t for t in texts)
+    assert not [t for t in texts if secret in t or "noise_seed" in t]
+    specs = [
+        json.loads(msg.content[keys.CONFIG][keys.RUN_SPEC])
+        for msg in tap.sent
+        if keys.CONFIG in msg.content and keys.RUN_SPEC in msg.content[keys.CONFIG]
+    ]
+    assert specs and all("clipping" not in spec for spec in specs)  # the clipping section stays on the server
+
+
+def test_the_run_seed_no_longer_regenerates_the_noise(tmp_path, monkeypatch):
+    """One round with noise far above the clipped updates: the model moves by the noise, which the old
+    derivation from the run seed (sent to every client) does not reproduce and the server's noise seed does."""
+    tap = _Tap(monkeypatch)
+    z, c, m, seed, noise_seed = 1e4, 1e-3, 6, 0, 4242
+    run_tiny(
+        tmp_path,
+        "clipping=fixed",
+        f"clipping.noise_multiplier={z}",
+        f"clipping.clip_norm={c}",
+        f"clipping.noise_seed={noise_seed}",
+        f"seed={seed}",
+        "num_clients=6",
+        f"clients_per_round={m}",  # q = 1: everyone trains, the round is never empty
+        "num_rounds=1",
+    )
+    (x, *_) = tap.train_models(1)
+    out = {k: v.numpy() for k, v in torch.load(tmp_path / "model.pt").items()}
+    floats = [k for k in x if x[k].dtype.kind == "f"]
+    moved = np.concatenate([(out[k].astype(np.float64) - x[k]).ravel() for k in floats])
+    sigma = z * c / m
+
+    def noise(rng):
+        return np.concatenate([rng.normal(0.0, sigma, np.shape(x[k])).ravel() for k in floats])
+
+    old = noise(np.random.default_rng([seed, 5, 1, 0]))  # how fedsim drew it before issue 13
+    new = noise(np.random.default_rng([noise_seed, SECRET_TAG, UPDATE_NOISE, 1]))
+    assert np.abs(moved - new).max() < 1e-2 * sigma  # the server's own seed explains the model exactly
+    assert abs(np.corrcoef(moved, old)[0, 1]) < 0.1  # the client-known seed explains nothing
+    assert np.abs(moved - old).max() > sigma
+
+
+# ---------------------------------------------------------------- 3. only private releases about clients
+def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
+    run_tiny(
+        tmp_path / "private", "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client"
+    )
+    fields = set().union(*[set(r) for r in read_metrics(tmp_path / "private")])
+    assert {"epsilon", "noisy_unclipped_fraction", "clip_norm", "noise_std"} <= fields
+    assert not fields & {"clipped_fraction", "clipped", "update_norm"}
+    run_tiny(
+        tmp_path / "debug",
+        "clipping=adaptive",
+        "clipping.noise_multiplier=1.0",
+        "clipping.side=client",
+        "clipping.debug_metrics=true",
+    )
+    fields = set().union(*[set(r) for r in read_metrics(tmp_path / "debug")])
+    assert {"clipped_fraction", "clipped", "update_norm"} <= fields
+
+
+# ---------------------------------------------------------------- resume
+def test_a_resumed_dp_run_keeps_its_drawn_noise_seed(tmp_path):
+    """noise_seed null: the seed drawn from OS entropy is checkpointed, so the resumed run is the run that a
+    fresh one with that seed set explicitly would have been, bit for bit."""
+    over = ["clipping=adaptive", "clipping.noise_multiplier=0.5", "checkpoint_every=2"]
+    part = run_tiny(tmp_path / "part", *over, "num_rounds=2")
+    resumed = run_tiny(tmp_path / "resumed", *over, "num_rounds=4", f"resume={tmp_path / 'part'}")
+    assert resumed["noise_seed"] == part["noise_seed"] and resumed["rounds_accounted"] == 4
+    run_tiny(tmp_path / "full", *over, "num_rounds=4", f"clipping.noise_seed={part['noise_seed']}")
+    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
+        read_metrics(tmp_path / "full")
+    )
+    a, b = torch.load(tmp_path / "resumed" / "model.pt"), torch.load(tmp_path / "full" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
