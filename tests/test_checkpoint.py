@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import read_metrics, run_tiny, without_wall_time
+from helpers import read_metrics, run_tiny, without_wall_time
 
 
 def _same_models(a, b):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import compose_cfg, read_metrics, run_tiny
+from helpers import compose_cfg, read_metrics, run_tiny
 from omegaconf import OmegaConf
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "conf" / "experiment"
