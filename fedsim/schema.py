@@ -30,6 +30,8 @@ UPDATES_TOTAL = "updates_total"
 CLIP_NORM = "clip_norm"
 CLIPPED_FRACTION = "clipped_fraction"
 NOISY_UNCLIPPED_FRACTION = "noisy_unclipped_fraction"
+CLIPPED = "clipped"
+UPDATE_NORM = "update_norm"
 NOISE_STD = "noise_std"
 EPSILON = "epsilon"
 
@@ -60,6 +62,8 @@ FIELDS: dict[str, str] = {
     CLIP_NORM: "clipping: the clip norm used this round",
     CLIPPED_FRACTION: "clipping without noise (or with `clipping.debug_metrics`): share of updates clipped",
     NOISY_UNCLIPPED_FRACTION: "DP adaptive clipping: the noised share of unclipped updates the clip norm follows",
+    CLIPPED: "client-side clipping without noise (or with `clipping.debug_metrics`): mean of the clients' clipped flags",
+    UPDATE_NORM: "client-side clipping without noise (or with `clipping.debug_metrics`): mean update norm before clipping",
     NOISE_STD: "clipping: standard deviation of the Gaussian noise",
     EPSILON: "DP: epsilon spent so far at `clipping.delta`",
 }
