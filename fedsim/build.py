@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -99,31 +100,69 @@ def client_spec(cfg: DictConfig, device: str) -> str:
     }
     spec["device"] = device
     spec["threads"] = int(cfg.placement.threads_per_client)
+    spec["deterministic"] = bool(cfg.placement.get("deterministic", False))
     return json.dumps(spec, sort_keys=True)
 
 
-def resolve_device(name: str, key: str = "placement.device") -> str:
-    """Map ``auto`` to ``cuda`` when a GPU is visible, else ``cpu``; check that a ``cuda[:N]`` device exists here.
+def set_numerics(deterministic: bool) -> None:
+    """``placement.deterministic``: reproducible GPU numerics, or torch's fast defaults.
 
-    ``name`` is one ``validate`` accepted (``cpu``, ``auto``, ``cuda`` or ``cuda:N``).
+    True: cuDNN picks deterministic algorithms (no autotuning), torch refuses (warns about) nondeterministic
+    kernels, and TF32 is off for matmuls and convolutions, so a GPU computes in full fp32 like the CPU. False:
+    torch's defaults (cuDNN may autotune and may use TF32 for convolutions). No effect on CPU results.
+    """
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.allow_tf32 = not deterministic
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS reductions
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
+def agreement_tolerance(device: str, deterministic: bool, steps: int) -> float:
+    """Relative tolerance within which two engines' models agree after ``steps`` local steps.
+
+    Both run the same steps in fp32 but may sum in another order: rounding grows about linearly with the
+    steps. On a GPU without ``deterministic``, convolutions may run in TF32 (10-bit mantissa, eps 2^-10).
+    """
+    eps = torch.finfo(torch.float32).eps
+    if torch.device(device).type == "cuda" and not deterministic:
+        eps = 2.0**-10
+    return float(min(1e-1, 100 * eps * max(steps, 1)))
+
+
+# Set by a local engine in each of its worker processes: 0, 1, ... (unset in the server's own process).
+WORKER_INDEX_ENV = "FEDSIM_WORKER_INDEX"
+
+
+def resolve_device(name: str, key: str = "placement.device") -> str:
+    """The torch device for ``name`` as seen by *this* process; check that a ``cuda:N`` device exists here.
+
+    ``name`` is one the placement group accepted (``cpu``, ``auto``, ``cuda`` or ``cuda:N``). ``auto`` and
+    ``cuda`` take a visible GPU: in worker ``k`` of a local pool (``FEDSIM_WORKER_INDEX=k``) GPU
+    ``k mod count``, so the workers spread over every GPU of the box; elsewhere (the server, a Ray actor, which
+    sees only the GPU Ray gave it) the current one. ``auto`` without a visible GPU is ``cpu``.
 
     Raises
     ------
     ConfigError
-        Naming ``key`` when ``name`` asks for a CUDA device this machine does not have.
+        Naming ``key`` when ``name`` asks for a CUDA device this process does not see.
     """
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if name in ("auto", "cuda") and count:
+        worker = os.environ.get(WORKER_INDEX_ENV)
+        return f"cuda:{int(worker) % count}" if worker is not None and count > 1 else "cuda"
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(name.partition(":")[2] or 0) >= count:
-            have = f"{count} CUDA device(s)" if count else "no CUDA device (or a CPU-only torch build)"
-            raise ConfigError(
-                key,
-                name,
-                f"a device this machine has: it has {have}",
-                "Use placement=cpu, or placement.device=auto to take a GPU when there is one.",
-            )
+        return "cpu"
+    if name.startswith("cuda") and int(name.partition(":")[2] or 0) >= count:
+        have = f"{count} CUDA device(s)" if count else "no CUDA device (or a CPU-only torch build)"
+        raise ConfigError(
+            key,
+            name,
+            f"a device this machine has: it has {have}",
+            "Use placement=cpu, or placement.device=auto to take a GPU when there is one.",
+        )
     return name
 
 
@@ -214,6 +253,7 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
     """Build and cache one client's task; the model object is shared by all clients of a worker."""
     spec = json.loads(spec_json)
     torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    set_numerics(bool(spec.get("deterministic", False)))
     device = resolve_device(spec["device"])
     ds = build_dataset(spec)
     train, val = build_partitions(spec)

@@ -15,7 +15,9 @@ FLOWER_ENV: Mapping[str, str] = {
     "FLWR_TELEMETRY_ENABLED": "0",
     "FLWR_DISABLE_UPDATE_CHECK": "1",
     "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+    # Ray hides the GPUs from actors without a GPU share (its default today, pinned in case it changes): a client
+    # with placement.num_gpus_per_client=0 never lands on a GPU uncounted by Ray.
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 

@@ -55,6 +55,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     placement = typed("placement", Placement, OmegaConf.to_container(cfg.placement, resolve=True))
     engine = typed("engine", EngineSettings, OmegaConf.to_container(cfg.engine, resolve=True))
     torch.set_num_threads(placement.threads_per_client)
+    build.set_numerics(placement.deterministic)
     spec_json = build.client_spec(cfg, device=placement.device)
     spec = json.loads(spec_json)
     build.local_training(spec)  # the client group and the faults group, checked before any work
@@ -65,7 +66,9 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     strategy = build.build_strategy(cfg, m)
     clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
     model = build.build_initial_model(spec)
-    client_device = "cpu" if deployed else build.resolve_device(placement.device)
+    # deployed clients and Ray's actors resolve placement.device in their own processes
+    remote = deployed or engine.name == "ray"
+    client_device = "cpu" if remote else build.resolve_device(placement.device)
     check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, client_device)
     server_device = build.resolve_device(placement.server_device, "placement.server_device")
     loop = LoopConfig(

@@ -51,8 +51,11 @@ class Placement:
     num_cpus_per_client: float = 1.0  # Ray CPUs per ClientApp actor (engine=ray)
     num_gpus_per_client: float = 0.0  # Ray GPUs per ClientApp actor (engine=ray)
     threads_per_client: int = 1  # torch threads in each worker
+    deterministic: bool = False  # cuDNN deterministic algorithms and no TF32: engines agree to fp32 rounding
 
     def __post_init__(self) -> None:
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError("deterministic", self.deterministic, "true or false")
         check_device("device", self.device)
         check_device("server_device", self.server_device)
         number("num_cpus_per_client", self.num_cpus_per_client, 0.0, lo_open=True)

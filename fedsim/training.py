@@ -123,7 +123,8 @@ def train_local(
     opt = make_optimizer(params, cfg)
     average = [p.detach().clone() for p in params] if cfg.optimizer == "asgd" else None
     model.train()
-    total, done, seen = 0.0, 0, 0
+    total = torch.zeros((), dtype=torch.float64, device=x.device)  # summed on the device: no sync per step
+    done, seen = 0, 0
     while done < steps:
         order = torch.randperm(n, generator=generator).to(x.device)  # one pass over the data
         for start in range(0, n, bs):
@@ -131,7 +132,7 @@ def train_local(
                 break
             idx = order[start : start + bs]
             loss = F.cross_entropy(model(x[idx]), y[idx])
-            total += float(loss.detach())
+            total += loss.detach().double()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if anchor is not None:  # gradient of FedProx's mu/2 ||w - w_start||^2, added in place (no graph)
@@ -149,7 +150,7 @@ def train_local(
         with torch.no_grad():
             for a, p in zip(average, params):
                 p.copy_(a)
-    return total / max(done, 1), done, seen
+    return float(total) / max(done, 1), done, seen
 
 
 @torch.no_grad()

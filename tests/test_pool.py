@@ -38,8 +38,8 @@ def started(monkeypatch):
     procs = []
     original = pool._start_worker
 
-    def recording(app_ref):
-        w = original(app_ref)
+    def recording(app_ref, index=0):
+        w = original(app_ref, index)
         procs.append(w.proc)
         return w
 

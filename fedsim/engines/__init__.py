@@ -65,6 +65,7 @@ class EngineRunner:
                 num_cpus=settings.num_cpus,
                 num_gpus=settings.num_gpus,
             )
+            ray.check_placement(placement)
             ray.preflight(self.backend)
 
     @property

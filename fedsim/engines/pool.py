@@ -53,6 +53,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from typing_extensions import Self
 
 from fedsim import keys
+from fedsim.build import WORKER_INDEX_ENV
 from fedsim.checks import integer
 
 CLIENT_APP_RAISED_EXCEPTION = 2  # Flower's error codes
@@ -122,15 +123,22 @@ class _Worker:
     outbox: Connection  # the worker writes it; EOF when the worker dies
 
 
-def _start_worker(app_ref: str) -> _Worker:
-    """A fresh interpreter running ``worker_main`` on two pipes (only those fds are inherited)."""
+def _start_worker(app_ref: str, index: int = 0) -> _Worker:
+    """A fresh interpreter running ``worker_main`` on two pipes (only those fds are inherited).
+
+    ``index`` is the worker's number: it picks the worker's GPU (``fedsim.build.resolve_device``).
+    """
     to_r, to_w = os.pipe()
     from_r, from_w = os.pipe()
     code = (
         "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "  # Ctrl-C is the server's to handle
         f"from fedsim.engines.pool import worker_main; worker_main({to_r}, {from_w}, {app_ref!r})"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # the server's import path
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),  # the server's import path
+        WORKER_INDEX_ENV: str(index),
+    }
     # its own session: a terminal's Ctrl-C goes to the server, which writes its checkpoint and stops the workers
     proc = subprocess.Popen(
         [sys.executable, "-c", code],
@@ -202,7 +210,7 @@ class PoolGrid(Grid):
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _stop, self._workers)  # also runs at interpreter exit
         if workers > 1:  # start now: their imports overlap with the server's discovery and first evaluation
-            self._workers.extend(_start_worker(app_ref) for _ in range(workers))
+            self._workers.extend(_start_worker(app_ref, i) for i in range(workers))
 
     # ------------------------------------------------------------------------------------- Grid API
     def set_run(self, run: Run) -> None:
@@ -388,4 +396,4 @@ class PoolGrid(Grid):
         old.proc.wait()
         old.inbox.close()
         old.outbox.close()
-        self._workers[w] = _start_worker(self._app_ref)
+        self._workers[w] = _start_worker(self._app_ref, w)

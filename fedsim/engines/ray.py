@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from fedsim.config import flower_env
 from fedsim.errors import ConfigError, RunError
 from fedsim.grid_utils import GridView, first_line
 
+log = logging.getLogger("fedsim")
 POLL = 0.05  # seconds between polls of the simulation's grid
 
 
@@ -93,6 +95,35 @@ def check_resources(backend: dict) -> None:
             )
 
 
+def check_placement(placement) -> None:
+    """Placement rules of Ray's client actors, checked on the server before Ray starts.
+
+    Ray gives each actor the GPUs of its ``num_gpus`` share and hides all others (``CUDA_VISIBLE_DEVICES``), so
+    an actor sees its own GPU as ``cuda:0`` and an actor without a share sees none. The device is resolved in
+    each actor, never against the server's view (the head of a cluster may have no GPU at all).
+    """
+    device, gpus = str(placement.device), float(placement.num_gpus_per_client)
+    if device.startswith("cuda:"):
+        raise ConfigError(
+            "placement.device",
+            device,
+            "cuda or auto with engine=ray",
+            "Ray picks each client actor's GPU; the actor sees it as cuda:0.",
+        )
+    if device == "cuda" and gpus == 0:
+        raise ConfigError(
+            "placement.num_gpus_per_client",
+            placement.num_gpus_per_client,
+            "a GPU share > 0 with placement.device=cuda and engine=ray (e.g. 0.25: four clients per GPU)",
+            "Ray hides the GPUs from client actors without a share.",
+        )
+    if device == "auto" and gpus == 0:
+        log.warning(
+            "placement.device=auto with placement.num_gpus_per_client=0: Ray's client actors see no GPU and "
+            "train on the CPU (give them a GPU share to use the GPUs)"
+        )
+
+
 def backend_config(
     num_cpus_per_client: float,
     num_gpus_per_client: float,
@@ -155,6 +186,7 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
     """
     preflight(backend)
     flower_env()
+    warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
     from flwr.simulation import run_simulation
 
     from fedsim.client_app import app as client_app

@@ -27,6 +27,7 @@ forces it). If batched training raises, its clients are rerun sequentially.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -116,6 +117,7 @@ class VectorizedGrid(PoolGrid):
         self._vmap_conv_cpu = bool(vmap_conv_cpu)
         self._reported: set[str] = set()
         self._model_checks: dict[tuple, str | None] = {}  # (model id, device) -> why it cannot be batched
+        self._fits: dict[str, int] = {}  # device -> the most clients per batch that did not run out of memory
 
     def _run_batch(self, batch: list[Message], deadline: float | None) -> dict[str, Message]:
         clients, rest = [], []
@@ -131,14 +133,12 @@ class VectorizedGrid(PoolGrid):
         for (_, local, device, mu), group in groups.items():
             try:
                 done.update(self._train(group, local, device, mu))
+                continue
             except Exception as exc:  # noqa: BLE001  (the ClientApp path gives each client its own reply)
-                log.warning(
-                    "vectorized training failed (%s: %s); running %d clients sequentially",
-                    type(exc).__name__,
-                    exc,
-                    len(group),
-                )
-                done.update(super()._run_batch([c.msg for c in group], deadline))
+                why = f"{type(exc).__name__}: {exc}"
+            # outside the except block, so that the failed batch's tensors are freed before the ClientApp runs
+            log.warning("vectorized training failed (%s); running %d clients sequentially", why, len(group))
+            done.update(super()._run_batch([c.msg for c in group], deadline))
         return done
 
     def _skip(self, reason: str) -> None:
@@ -208,12 +208,111 @@ class VectorizedGrid(PoolGrid):
             done = {}
             for members in buckets.values():
                 members.sort(key=lambda c: -len(c.batches))  # the active clients of any step are a prefix
-                size = self._max_cohort or len(members)
-                for s in range(0, len(members), size):
-                    done.update(_train_bucket(members[s : s + size], local, device, mu))
+                start = 0
+                while start < len(members):
+                    size = self._chunk(members[start:], local, device, mu)
+                    chunk = members[start : start + size]
+                    replies = _try_bucket(chunk, local, device, mu)
+                    if replies is None:  # out of memory: the next try is a smaller chunk
+                        self._shrink(device, len(chunk))
+                        continue
+                    done.update(replies)
+                    start += len(chunk)
             return done
         finally:
             torch.set_num_threads(threads)
+
+    def _chunk(self, members: list[_Client], local: LocalTraining, device: str, mu: float) -> int:
+        """Clients in the next batch: at most ``max_cohort``, what the memory estimate says fits, and what fit."""
+        size = len(members)
+        if self._max_cohort:
+            size = min(size, self._max_cohort)
+        if device in self._fits:
+            size = min(size, self._fits[device])
+        per_client = estimate_bytes(members[0].task.model, members[0].task.x_train, members, local, mu)
+        fit = max(1, int(0.8 * free_bytes(device) // max(per_client, 1)))
+        if fit < size:
+            self._skip_once(
+                f"memory: about {per_client / 2**20:.1f} MiB per client, {fit} clients per batch on {device}"
+            )
+            size = fit
+        return size
+
+    def _shrink(self, device: str, tried: int) -> None:
+        """After an out-of-memory error with ``tried`` clients: half as many from now on (then: sequential)."""
+        if tried <= 1:
+            raise torch.OutOfMemoryError(f"one client's batched training does not fit on {device}")
+        self._fits[device] = tried // 2
+        log.warning(
+            "vectorized engine: out of memory with %d clients per batch on %s; %d from now on",
+            tried,
+            device,
+            tried // 2,
+        )
+
+    def _skip_once(self, message: str) -> None:
+        if message not in self._reported:
+            self._reported.add(message)
+            log.info("vectorized engine: %s", message)
+
+
+def _try_bucket(
+    members: list[_Client], local: LocalTraining, device: str, mu: float
+) -> dict[str, Message] | None:
+    """``_train_bucket``, or None when it runs out of memory (with the memory it held released)."""
+    try:
+        return _train_bucket(members, local, device, mu)
+    except torch.OutOfMemoryError:
+        pass  # leave the except block first: its traceback holds the failed batch's tensors
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return None
+
+
+def free_bytes(device: str) -> int:
+    """Memory free for a batch on ``device``: the GPU's free memory, or the machine's available RAM."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return 2**62
+
+
+def activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
+    """Bytes autograd keeps for the backward pass of one example (probed once per model and input shape)."""
+    key = (id(model), tuple(example.shape), example.dtype)
+    if key not in _ACTIVATIONS:
+        seen: dict[tuple, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = (
+                t.numel() * t.element_size()
+            )
+            return t
+
+        params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = functional_call(model, params, (example.detach().clone().unsqueeze(0),))
+        param_storages = {p.untyped_storage().data_ptr() for p in params.values()}
+        _ACTIVATIONS[key] = sum(b for (ptr, *_), b in seen.items() if ptr not in param_storages) + out.nbytes
+    return _ACTIVATIONS[key]
+
+
+_ACTIVATIONS: dict[tuple, int] = {}
+
+
+def estimate_bytes(
+    model: nn.Module, x: torch.Tensor, members: list[_Client], local: LocalTraining, mu: float
+) -> int:
+    """Peak bytes one more client adds to a batched step: its weights, gradients, optimiser state and FedProx
+    anchor, plus its activations (one example's, times the batch width, twice: forward and backward)."""
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    copies = 2 + (local.optimizer in ("momentum", "nesterov")) + (mu > 0)  # weights, grads, momentum, anchor
+    width = max((len(c.batches[0]) for c in members if c.batches), default=1)
+    per_example = activation_bytes(model, x[0]) if x.shape[0] else 0
+    return copies * param_bytes + 2 * width * per_example
 
 
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> dict[str, Message]:
