@@ -1,130 +1,403 @@
-"""GPU check: fedsim's GPU paths end to end in a few minutes, with their figures, on a CUDA machine.
+"""GPU check: correctness first, then placement, memory and timing of fedsim's GPU paths (at most 5 minutes).
 
-Runs, each in a fresh process (start-up counted, peak RSS of the process tree, peak GPU memory of the
-server process), scenario (a) of ``bench/scale.py`` (1,000 clients, 100 per round, CNN, 1x28x28) for
-3 rounds:
+Each check runs in a fresh process. In order (the time budget drops the last ones first):
 
-* ``inprocess-gpu``: ``placement=gpu engine=inprocess`` (clients one after the other on the GPU);
-* ``vectorized-gpu``: ``placement=gpu engine=vectorized`` (the cohort as one vmapped model on the GPU);
-* ``ray-gpu-shared``: ``placement=gpu_shared engine=ray`` (4 Ray actors sharing the GPU, 0.25 each);
-* ``torch-gpu``: the plain torch loop on the GPU, same SGD steps;
+1. **agree**: the engines agree on the GPU: the digits MLP, then a CIFAR-size CNN (3x32x32) with
+   ``placement.deterministic`` true and false, ``inprocess`` against ``vectorized``; the largest relative
+   difference of the final models against the tolerance the precision allows (``fedsim.build.agreement_tolerance``),
+   and whether every vectorized client really trained batched.
+2. **placement**: ``auto`` and every ``cuda:N`` resolve where the client runs; pool workers (``engine.workers=N``)
+   spread over the visible GPUs; an injected out-of-memory error shrinks the vectorized batch and the run
+   completes with the same model.
+3. **timing**: 100 clients per round of the CIFAR-size CNN, per client (``inprocess``) against ``vectorized``
+   against a plain torch loop, with GPU busy fraction (``nvidia-smi`` sampled every 0.2 s), the peak GPU memory of
+   every process (``nvidia-smi --query-compute-apps``), peak RSS, and how many clients trained batched.
 
-then the digits MLP (default experiment) with ``inprocess`` and ``vectorized`` on the GPU, whose final
-models must agree (the ``model norm`` column). Without CUDA it exits at once with a message.
-
-    python bench/gpu_check.py                 # about 2-4 minutes on one GPU
-    python bench/gpu_check.py --dry-run-cpu   # the same script on the CPU (checks the script, not the GPU)
+    python bench/gpu_check.py             # on a CUDA machine, about 3-5 minutes
+    python bench/gpu_check.py --dry-run   # every path of the script on the CPU, small sizes (checks the script)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import scale
-
 import bench
 
-BUDGET_S = 280  # stop starting new runs after this, so the check ends within 5 minutes
-CNN = [*scale.SCENARIOS["a"]["overrides"], "num_rounds=3"]
-MLP = ["num_rounds=5"]
-RUNS = {  # name -> (scenario, fedsim overrides, or None for the plain torch loop)
-    "inprocess-gpu": ("a", [*CNN, "placement=gpu", "engine=inprocess"]),
-    "vectorized-gpu": ("a", [*CNN, "placement=gpu", "engine=vectorized"]),
-    "ray-gpu-shared": (
-        "a",
-        [*CNN, "placement=gpu_shared", "engine=ray", "placement.num_gpus_per_client=0.25"],
-    ),
-    "torch-gpu": ("a", None),
-    "inprocess-gpu-mlp": ("b", [*MLP, "placement=gpu", "engine=inprocess"]),
-    "vectorized-gpu-mlp": ("b", [*MLP, "placement=gpu", "engine=vectorized"]),
+BUDGET_S = 285  # stop starting new checks after this, so the whole check ends within 5 minutes
+CIFAR = ["dataset=synthetic_images", "dataset.shape=[3,32,32]", "model=cnn", "partitioner=iid"]
+MLP = ["num_clients=20", "clients_per_round=10", "num_rounds=3"]
+CNN_AGREE = [*CIFAR, "num_clients=20", "clients_per_round=10", "num_rounds=2", "client.local_steps=3"]
+CNN_TIME = [*CIFAR, "num_clients=1000", "clients_per_round=100", "num_rounds=3", "dataset.num_train=50000"]
+SMALL = {  # --dry-run: the same checks, CPU-sized
+    "agree-mlp": ["num_rounds=2"],
+    "agree-cnn": ["num_clients=6", "clients_per_round=3", "dataset.num_train=600", "dataset.num_test=100"],
+    "time": [
+        "num_clients=40",
+        "clients_per_round=8",
+        "num_rounds=2",
+        "dataset.num_train=2000",
+        "dataset.num_test=200",
+    ],
 }
 
 
-def child(name: str, device: str) -> dict:
-    """Run one check in this process."""
-    _, overrides = RUNS[name]
-    if overrides is not None:
-        if device == "cpu":  # dry run: same script, CPU placement
-            overrides = [o for o in overrides if not o.startswith("placement")] + ["placement=cpu"]
-        return bench.fedsim_child(overrides)
+# ------------------------------------------------------------------------------------------------ child side
+def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
+    """One fedsim run in this process; its final model, round times and (optionally) the clients trained batched."""
+    import torch
+
+    from fedsim.cli import quiet_loggers
+    from fedsim.config import compose
+    from fedsim.engines import vectorized
+    from fedsim.run import run_experiment
+
+    quiet_loggers()
+    batched = []
+    if count_batched:
+        original = vectorized._train_bucket
+
+        def counting(members, *args):
+            batched.append(len(members))
+            return original(members, *args)
+
+        vectorized._train_bucket = counting
+    try:
+        summary = run_experiment(compose(*overrides, "quiet=true", "checkpoint_every=0"), out)
+    finally:
+        if count_batched:
+            vectorized._train_bucket = original
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "model": torch.load(out / "model.pt"),
+        "rounds": [r["round_time"] for r in recs if r["round"] > 0],
+        "accuracy": summary["final_eval_accuracy"],
+        "batched": sum(batched),
+        "trained": sum(r.get("num_clients", 0) for r in recs),
+    }
+
+
+def _max_rel(a: dict, b: dict) -> float:
+
+    return max(float((a[k].double() - b[k].double()).norm() / (a[k].double().norm() + 1e-12)) for k in a)
+
+
+def child_agree(name: str, device: str, deterministic: bool, small: bool) -> dict:
+    """inprocess against vectorized on ``device``: the largest relative model difference and the tolerance."""
+    import torch
+
     from fedsim import build
 
-    cfg = scale.compose([*CNN, f"placement.device={device}"])
-    spec = json.loads(build.client_spec(cfg, device=device))
-    local = build.local_training(spec)
-    ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
-    return bench.plain_fedavg(
-        ds,
-        train,
-        build.model_factory(spec),
-        seed=int(cfg.seed),
-        per_round=int(cfg.clients_per_round),
-        rounds=int(cfg.num_rounds),
-        epochs=local.local_epochs,
-        batch_size=local.batch_size,
-        lr=local.lr,
-        device=device,
+    over = MLP if name == "agree-mlp" else CNN_AGREE
+    over = [
+        *over,
+        *(SMALL[name] if small else []),
+        f"placement.device={device}",
+        f"placement.server_device={device}",
+        f"placement.deterministic={str(deterministic).lower()}",
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        seq = _run([*over, "engine=inprocess"], Path(tmp) / "seq")
+        vec = _run(
+            [*over, "engine=vectorized", "engine.vmap_conv_cpu=true"], Path(tmp) / "vec", count_batched=True
+        )
+    steps = 3 * 2 if name == "agree-cnn" else 60
+    tol = build.agreement_tolerance(device, deterministic, steps)
+    a, b = seq["model"], vec["model"]
+    return {
+        "max_abs": max(float((a[k].double() - b[k].double()).abs().max()) for k in a),
+        "close": all(torch.allclose(b[k].double(), a[k].double(), rtol=tol, atol=tol) for k in a),
+        "tolerance": tol,
+        "batched": vec["batched"],
+        "trained": vec["trained"],
+    }
+
+
+def child_placement(device: str, small: bool) -> dict:
+    """Device names as each kind of client process resolves them; workers over GPUs; an injected OOM."""
+    import os
+
+    import torch
+
+    from fedsim import build
+    from fedsim.engines import vectorized
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    emulated = device == "cpu"
+    real = torch.cuda.is_available, torch.cuda.device_count
+    if emulated:  # the dry run: pretend two GPUs for name resolution only
+        torch.cuda.is_available, torch.cuda.device_count, count = (lambda: True), (lambda: 2), 2
+    names = {
+        "auto": build.resolve_device("auto"),
+        **{f"cuda:{i}": build.resolve_device(f"cuda:{i}") for i in range(count)},
+    }
+    workers = []
+    for k in range(max(2, count)):
+        os.environ[build.WORKER_INDEX_ENV] = str(k)
+        workers.append(build.resolve_device("cuda"))
+    del os.environ[build.WORKER_INDEX_ENV]
+    torch.cuda.is_available, torch.cuda.device_count = real
+    over = [*MLP, f"placement.device={device}", f"placement.server_device={device}"]
+    original = vectorized._train_bucket
+    sizes = []
+
+    def limited(members, *args):
+        sizes.append(len(members))
+        if len(members) > 4:
+            raise torch.OutOfMemoryError("injected by gpu_check")
+        return original(members, *args)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = _run([*over, "engine=vectorized"], Path(tmp) / "plain")
+        vectorized._train_bucket = limited
+        try:
+            oom = _run([*over, "engine=vectorized"], Path(tmp) / "oom")
+        finally:
+            vectorized._train_bucket = original
+        pool = _run([*over, "engine=inprocess", "engine.workers=2"], Path(tmp) / "pool")
+    return {
+        "resolved": names,
+        "pool_workers": workers,
+        "oom_batch_sizes": sorted(set(sizes)),
+        "oom_same_model": _max_rel(plain["model"], oom["model"]) < 1e-5,
+        "pool_rounds_s": pool["rounds"],
+        "pool_accuracy": pool["accuracy"],
+    }
+
+
+def child_time(variant: str, device: str, small: bool) -> dict:
+    """One timing run of the CIFAR-size CNN (fedsim engine or plain torch)."""
+    import torch
+
+    over = [
+        *CNN_TIME,
+        *(SMALL["time"] if small else []),
+        f"placement.device={device}",
+        f"placement.server_device={device}",
+    ]
+    if variant == "torch":
+        from fedsim import build
+        from fedsim.config import compose
+
+        cfg = compose(*over)
+        spec = json.loads(build.client_spec(cfg, device=device))
+        local = build.local_training(spec)
+        ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+        return bench.plain_fedavg(
+            ds,
+            train,
+            build.model_factory(spec),
+            seed=int(cfg.seed),
+            per_round=int(cfg.clients_per_round),
+            rounds=int(cfg.num_rounds),
+            epochs=local.local_epochs,
+            batch_size=local.batch_size,
+            lr=local.lr,
+            device=device,
+        )
+    extra = (
+        ["engine=vectorized", "engine.vmap_conv_cpu=true"]
+        if variant == "vectorized"
+        else ["engine=inprocess"]
     )
+    with tempfile.TemporaryDirectory() as tmp:
+        res = _run([*over, *extra], Path(tmp) / "run", count_batched=variant == "vectorized")
+    res.pop("model")
+    if torch.cuda.is_available():
+        res["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ GPU sampling
+class GpuSampler:
+    """``nvidia-smi`` every 0.2 s while a check runs: busy fraction and peak memory of each process."""
+
+    def __init__(self) -> None:
+        self.util: list[float] = []
+        self.proc_mb: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def __enter__(self) -> GpuSampler:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join()
+
+    def _query(self, *args: str) -> list[str]:
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", *args, "--format=csv,noheader,nounits"],
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            for line in self._query("--query-gpu=utilization.gpu"):
+                self.util.append(float(line) / 100)
+            for line in self._query("--query-compute-apps=pid,used_memory"):
+                pid, mb = (x.strip() for x in line.split(","))
+                self.proc_mb[pid] = max(self.proc_mb.get(pid, 0.0), float(mb))
+            time.sleep(0.2)
+
+    def figures(self) -> dict:
+        if not self.available:
+            return {"busy": None, "proc_mb": {}}
+        return {"busy": sum(self.util) / len(self.util) if self.util else None, "proc_mb": self.proc_mb}
+
+
+# ------------------------------------------------------------------------------------------------ parent side
+CHECKS = [  # (name, child args, section)
+    ("agree-mlp", ["agree", "agree-mlp", "1"], "correctness"),
+    ("agree-cnn-deterministic", ["agree", "agree-cnn", "1"], "correctness"),
+    ("agree-cnn-fast", ["agree", "agree-cnn", "0"], "correctness"),
+    ("placement", ["placement"], "placement"),
+    ("time-inprocess", ["time", "inprocess"], "timing"),
+    ("time-vectorized", ["time", "vectorized"], "timing"),
+    ("time-torch", ["time", "torch"], "timing"),
+]
+
+
+def child(args: list[str], device: str, small: bool) -> dict:
+    kind = args[0]
+    if kind == "agree":
+        return child_agree(args[1], device, args[2] == "1", small)
+    if kind == "placement":
+        return child_placement(device, small)
+    return child_time(args[1], device, small)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run-cpu", action="store_true", help="run the same checks on the CPU")
+    ap.add_argument("--dry-run", action="store_true", help="every check on the CPU with small sizes")
     ap.add_argument("--only", default=None, help="comma list of checks (default: all)")
-    ap.add_argument("--child")
+    ap.add_argument("--child", nargs="+")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.device)))
+        print(json.dumps(child(args.child, args.device, args.small)))
         return
-    unknown = [n for n in (args.only or "").split(",") if n and n not in RUNS]
+    names = [c[0] for c in CHECKS]
+    unknown = [n for n in (args.only or "").split(",") if n and n not in names]
     if unknown:
-        ap.error(f"--only {unknown[0]!r}: expected a comma list of {', '.join(RUNS)}")
+        ap.error(f"--only {unknown[0]!r}: expected a comma list of {', '.join(names)}")
     import torch
 
-    if not torch.cuda.is_available() and not args.dry_run_cpu:
+    if not torch.cuda.is_available() and not args.dry_run:
         sys.exit(
             "gpu_check: no CUDA device is visible to torch (torch.cuda.is_available() is False); run it on a "
-            "machine with an NVIDIA GPU and a CUDA build of torch, or use --dry-run-cpu to test the script."
+            "machine with an NVIDIA GPU and a CUDA build of torch, or use --dry-run to test the script."
         )
-    device = "cpu" if args.dry_run_cpu else "cuda"
-    gpu = "CPU dry run" if device == "cpu" else torch.cuda.get_device_name(0)
-    t0, rows, extra = time.perf_counter(), [], {}
-    for name in (args.only or ",".join(RUNS)).split(","):
+    device = "cpu" if args.dry_run else "cuda"
+    where = "CPU dry run (small sizes; GPU names emulated)" if args.dry_run else torch.cuda.get_device_name(0)
+    t0, results, failed = time.perf_counter(), {}, 0
+    for name, child_args, section in CHECKS:
+        if args.only and name not in args.only.split(","):
+            continue
         left = BUDGET_S - (time.perf_counter() - t0)
         if left < 20:
-            rows.append((RUNS[name][0], name, {"error": "skipped: time budget spent"}))
+            results[name] = {"error": "skipped: time budget spent"}
             continue
-        res = bench.run_child([__file__, "--child", name, "--device", device], timeout=min(150, left))
-        rows.append((RUNS[name][0], name, bench.summarise([res])))
-        extra[name] = res
-        print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    rows = [(sc, "torch" if n == "torch-gpu" else n, s) for sc, n, s in rows]  # the table's torch baseline
-    print(
-        f"\nfedsim GPU check on {gpu}; {bench.machine_line()}; (a) = {scale.SCENARIOS['a']['title']}, "
-        "3 rounds; (b) = digits MLP, 5 rounds"
-    )
-    print("\n".join(bench.format_rows(rows)))
-    print(f"{'check':<22}{'GPU peak MB':>12}{'model norm':>14}")
-    for name, res in extra.items():
-        if "error" not in res:
-            print(
-                f"{name:<22}{res.get('gpu_peak_mb', float('nan')):>12.0f}{res.get('model_norm', float('nan')):>14.6f}"
-            )
-    a, b = extra.get("inprocess-gpu-mlp", {}), extra.get("vectorized-gpu-mlp", {})
-    if "model_norm" in a and "model_norm" in b:
-        rel = abs(a["model_norm"] - b["model_norm"]) / a["model_norm"]
+        argv = [__file__, "--child", *child_args, "--device", device, *(["--small"] if args.dry_run else [])]
+        with GpuSampler() as gpu:
+            res = bench.run_child(argv, timeout=min(150, left))
+        res.update(gpu.figures())
+        results[name] = res
+        print(f"  {section}/{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    print(f"\nfedsim GPU check on {where}; {bench.machine_line()}")
+    print("\n1. correctness (inprocess vs vectorized, final models)")
+    for name in ("agree-mlp", "agree-cnn-deterministic", "agree-cnn-fast"):
+        r = results.get(name)
+        if r is None:
+            continue
+        if "error" in r:
+            failed += 1
+            print(f"  {name:<26} FAILED: {r['error']}")
+            continue
+        ok = r["close"] and r["batched"] == r["trained"]
+        failed += not ok
         print(
-            f"vectorized vs inprocess on {device} (digits MLP): model norms differ by {rel:.1e} relative "
-            f"({'OK' if rel < 1e-4 else 'MISMATCH'})"
+            f"  {name:<26} max abs diff {r['max_abs']:.1e} (rtol = atol = {r['tolerance']:.1e}), "
+            f"batched {r['batched']}/{r['trained']} clients: {'OK' if ok else 'MISMATCH'}"
         )
-    print(f"total {time.perf_counter() - t0:.0f} s")
+    r = results.get("placement")
+    if r is not None:
+        print("\n2. placement and memory")
+        if "error" in r:
+            failed += 1
+            print(f"  FAILED: {r['error']}")
+        else:
+            ok = r["oom_same_model"] and max(r["oom_batch_sizes"]) > 4 and min(r["oom_batch_sizes"]) <= 4
+            failed += not ok
+            print(f"  resolved: {r['resolved']}")
+            print(f"  pool workers 0..{len(r['pool_workers']) - 1} use: {r['pool_workers']}")
+            print(
+                f"  engine.workers=2 run: accuracy {r['pool_accuracy']:.4f}, rounds {[round(x, 2) for x in r['pool_rounds_s']]} s"
+            )
+            print(
+                f"  injected OOM: batch sizes tried {r['oom_batch_sizes']}, same model as without: "
+                f"{r['oom_same_model']} ({'OK' if ok else 'MISMATCH'})"
+            )
+    timing = {n: results[n] for n in ("time-inprocess", "time-vectorized", "time-torch") if n in results}
+    if timing:
+        print(
+            "\n3. timing: CIFAR-size CNN (3x32x32), 100 clients per round"
+            + (" (small)" if args.dry_run else "")
+        )
+        print(
+            f"  {'variant':<18}{'round s':>9}{'torch/this':>11}{'GPU busy':>9}{'peak RSS MB':>12}"
+            f"{'batched':>10}  GPU MB per process"
+        )
+        base = timing.get("time-torch", {})
+        base_round = _median(base.get("rounds"))
+        for name, r in timing.items():
+            if "error" in r:
+                failed += 1
+                print(f"  {name:<18}FAILED: {r['error']}")
+                continue
+            per = _median(r.get("rounds"))
+            ratio = base_round / per if base_round and per else None
+            busy = r.get("busy")
+            batched = f"{r['batched']}/{r['trained']}" if name == "time-vectorized" else "-"
+            print(
+                f"  {name:<18}{_fmt(per, '9.3f')}{_fmt(ratio, '11.2f')}{_fmt(busy, '9.0%')}"
+                f"{_fmt(r.get('peak_mb'), '12.0f')}{batched:>10}  {r.get('proc_mb') or '-'}"
+            )
+    print(
+        f"\ntotal {time.perf_counter() - t0:.0f} s; {'all checks passed' if not failed else f'{failed} check(s) failed'}"
+    )
+    sys.exit(1 if failed else 0)
+
+
+def _median(xs):
+    import statistics
+
+    xs = list(xs or [])
+    return statistics.median(xs[1:] if len(xs) > 1 else xs) if xs else None
+
+
+def _fmt(v, fmt: str) -> str:
+    return format("-", f">{fmt.split('.')[0]}") if v is None else format(v, fmt)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,6 @@ class EngineRunner:
                 server_main(local)
             finally:
                 getattr(local, "close", lambda: None)()  # stop worker processes, also after errors
+                from fedsim.build import release_client_tasks
+
+                release_client_tasks()  # the clients' data leaves the device when the run (or sweep job) ends
