@@ -220,9 +220,89 @@ def build_initial_model(spec: dict) -> torch.nn.Module:
         raise e.with_prefix("model") from None
 
 
+DEFAULT_CLIENT_ALGORITHM = "fedsim.algorithms.base.LocalSGD"
+
+
 def local_training(spec: dict) -> LocalTraining:
-    """The client's local optimiser settings from the ``client`` section."""
-    return typed("client", LocalTraining, spec["client"])
+    """The client's local optimiser settings from the ``client`` section (its other keys are the algorithm's)."""
+    fields = LocalTraining.__dataclass_fields__
+    return typed("client", LocalTraining, {k: v for k, v in spec["client"].items() if k in fields})
+
+
+def _algorithm_class(target: str, key: str = "client._target_"):
+    from hydra.utils import get_object
+
+    from fedsim.algorithms.base import ClientAlgorithm
+
+    try:
+        cls = get_object(target)
+    except Exception:  # noqa: BLE001  (any import failure is the same config error)
+        cls = None
+    if not (isinstance(cls, type) and issubclass(cls, ClientAlgorithm)):
+        raise ConfigError(
+            key, target, "a client algorithm class (a subclass of fedsim.algorithms.base.ClientAlgorithm)"
+        )
+    return cls
+
+
+@functools.lru_cache(maxsize=16)
+def _client_algorithm(client_json: str):
+    section = json.loads(client_json)
+    target = section.pop("_target_", None) or DEFAULT_CLIENT_ALGORITHM
+    local = local_training({"client": section})
+    extra = {k: v for k, v in section.items() if k not in LocalTraining.__dataclass_fields__}
+    cls = _algorithm_class(target)
+    try:
+        return cls(local, **extra)
+    except TypeError as e:
+        m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if not m:
+            raise
+        params = [p for p in _parameters(target) if p != "local"]
+        raise ConfigError(
+            f"client.{m.group(1)}",
+            extra.get(m.group(1)),
+            f"an optimiser setting ({', '.join(LocalTraining.__dataclass_fields__)})"
+            + (f" or a parameter of {cls.__name__}: {', '.join(params)}" if params else ""),
+        ) from None
+    except ConfigError as e:
+        raise e.with_prefix("client") from None
+
+
+def client_algorithm(spec: dict):
+    """The client algorithm of a spec's ``client`` section (built once per process)."""
+    return _client_algorithm(json.dumps(spec["client"], sort_keys=True))
+
+
+def bind_client_algorithm(spec: dict, strategy) -> None:
+    """Give the strategy's clients the algorithm it needs, and refuse a pairing that cannot work.
+
+    A strategy names its client half (``client_algorithm``, e.g. SCAFFOLD's); a client algorithm may name the
+    strategy it needs (``strategy``). ``spec["client"]["_target_"]`` is set when the run did not choose one.
+    """
+    from hydra.utils import get_object
+
+    need = base.client_algorithm(strategy)
+    chosen = spec["client"].get("_target_")
+    if need is not None:
+        if chosen is None or chosen == DEFAULT_CLIENT_ALGORITHM:
+            spec["client"]["_target_"] = need
+        elif not issubclass(_algorithm_class(chosen), _algorithm_class(need)):
+            raise ConfigError(
+                "client._target_",
+                chosen,
+                f"{need} (or a subclass): {type(strategy).__name__} needs its client half",
+            )
+    cls = _algorithm_class(spec["client"].get("_target_") or DEFAULT_CLIENT_ALGORITHM)
+    server = getattr(cls, "strategy", None)
+    if server is not None and not isinstance(base.unwrap(strategy), get_object(server)):
+        raise ConfigError(
+            "client._target_",
+            spec["client"].get("_target_"),
+            f"a client algorithm for {type(base.unwrap(strategy)).__name__}: {cls.__name__} needs strategy "
+            f"{server.rsplit('.', 1)[-1]}",
+        )
+    client_algorithm(spec)  # its own parameters, checked before any work
 
 
 @dataclass
@@ -239,6 +319,7 @@ class ClientTask:
     seed: int
     device: str
     faults: FaultRates | None = None
+    algorithm: Any = None  # the client algorithm (fedsim.algorithms); None: built from the spec when needed
 
 
 def fault_rates(spec: dict) -> FaultRates | None:
@@ -292,6 +373,7 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
         int(spec["seed"]),
         device,
         fault_rates(spec),
+        client_algorithm(spec),
     )
 
 

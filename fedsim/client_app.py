@@ -6,6 +6,7 @@ the app needs nothing from ``run_config``; the node's partition comes from ``nod
 
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -13,9 +14,11 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim import keys
-from fedsim.build import ClientTask, client_task
+from fedsim.algorithms.base import LocalRun
+from fedsim.algorithms.state import ClientState, ContextState, DirectoryState
+from fedsim.build import ClientTask, client_algorithm, client_task
 from fedsim.faults import SimulatedTimeout
-from fedsim.messages import parse_train, train_reply
+from fedsim.messages import incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
 from fedsim.training import evaluate, train_local
 
@@ -56,22 +59,37 @@ def train(msg: Message, context: Context) -> Message:
     """Train on the local partition from the received global model."""
     task = _task(msg, context)
     ins = parse_train(msg.content[keys.CONFIG])
+    algorithm = task.algorithm or client_algorithm(json.loads(ins.spec))
     _load(task, msg.content[keys.ARRAYS])
     start = (
         {k: v.detach().clone() for k, v in task.model.state_dict().items()}
         if ins.clip_norm is not None
         else None
     )
+    run = LocalRun(
+        task.model,
+        ins,
+        task.local,
+        task.partition_id,
+        start={n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad},
+        incoming=incoming_arrays(msg.content),
+    )
+    store = _state_store(context, task.partition_id, ins.draw_index) if algorithm.stateful else None
+    if store is not None:
+        run.state = store.load()
     loss, steps, seen = train_local(
         task.model,
         task.x_train,
         task.y_train,
         task.local,
         ins.generator(task.seed, task.partition_id),
-        proximal_mu=ins.proximal_mu,
         max_steps=ins.max_steps,
+        algorithm=algorithm,
+        run=run,
     )
-    extra = {}
+    if store is not None:
+        store.save(run.state)
+    extra = dict(run.metrics)
     if ins.clip_norm is not None:
         norm, clipped = _clip_to(task, start, ins.clip_norm)
         extra = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(clipped)}
@@ -87,7 +105,16 @@ def train(msg: Message, context: Context) -> Message:
         steps=steps,
         examples_processed=seen,
         extra=extra,
+        outgoing=run.outgoing,
     )
+
+
+def _state_store(context: Context, partition_id: int, index: int) -> ClientState:
+    """Where this client's persistent state lives: the run folder in simulation, the SuperNode in deployment."""
+    root = context.node_config.get(keys.NODE_STATE_DIR)
+    if root:
+        return DirectoryState(str(root), partition_id, index)
+    return ContextState(context.state)
 
 
 def _inject(task: ClientTask, rnd: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

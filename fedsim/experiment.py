@@ -24,6 +24,7 @@ from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.groups import EngineSettings, Placement, typed
 from fedsim.state import LoopConfig
+from fedsim.strategies import base
 from fedsim.training import evaluate
 from fedsim.validate import clients_per_round, validate
 
@@ -64,6 +65,14 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     train, _ = build.build_partitions(spec)
     m = clients_per_round(cfg)
     strategy = build.build_strategy(cfg, m)
+    build.bind_client_algorithm(spec, strategy)  # the strategy's client half, or a refusal naming the pair
+    if build.client_algorithm(spec).stateful and base.is_async(strategy):
+        raise ConfigError(
+            "strategy",
+            cfg.strategy.get("_target_"),
+            "a synchronous strategy with a stateful client algorithm",
+        )
+    spec_json = json.dumps(spec, sort_keys=True)
     clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
     model = build.build_initial_model(spec)
     # deployed clients and Ray's actors resolve placement.device in their own processes

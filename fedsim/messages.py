@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedsim import keys
 from fedsim.seeds import Purpose, torch_generator
@@ -69,6 +70,15 @@ def parse_train(config: ConfigRecord) -> TrainInstruction:
     )
 
 
+def incoming_arrays(content: RecordDict) -> dict[str, dict]:
+    """The extra ArrayRecords of a train message (besides the model), as numpy arrays by record and name."""
+    return {
+        name: {k: a.numpy() for k, a in rec.items()}
+        for name, rec in content.array_records.items()
+        if name != keys.ARRAYS
+    }
+
+
 def train_reply(
     msg: Message,
     state: dict[str, torch.Tensor],
@@ -79,8 +89,12 @@ def train_reply(
     steps: int,
     examples_processed: int,
     extra: dict | None = None,
+    outgoing: dict[str, dict] | None = None,
 ) -> Message:
-    """The reply to train message ``msg``: the client's weights and fedsim's train metrics (plus ``extra``)."""
+    """The reply to train message ``msg``: the client's weights and fedsim's train metrics (plus ``extra``).
+
+    ``outgoing``: extra arrays for the server (a client algorithm's), one ArrayRecord per name.
+    """
     metrics = {
         keys.NUM_EXAMPLES: int(num_examples),
         keys.TRAIN_LOSS: float(loss),
@@ -89,6 +103,7 @@ def train_reply(
         keys.EXAMPLES_PROCESSED: int(examples_processed),
         **(extra or {}),
     }
-    return Message(
-        RecordDict({keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)}), reply_to=msg
-    )
+    records = {keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)}
+    for name, arrays in (outgoing or {}).items():
+        records[name] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+    return Message(RecordDict(records), reply_to=msg)

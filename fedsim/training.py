@@ -107,50 +107,51 @@ def train_local(
     generator: torch.Generator,
     proximal_mu: float = 0.0,
     max_steps: int | None = None,
+    algorithm=None,
+    run=None,
 ) -> tuple[float, int, int]:
-    """Train ``model`` in place on ``(x, y)``.
+    """Train ``model`` in place on ``(x, y)`` with a client algorithm's hooks (``fedsim.algorithms.base``).
 
-    Returns ``(mean train loss, optimiser steps, examples processed)``. With ``proximal_mu > 0`` the loss gets
-    FedProx's ``mu/2 * ||w - w_start||^2``. With ``asgd`` the model ends at the average of the
-    iterates after each step (Polyak-Ruppert averaging). ``max_steps`` caps the steps (a client that must
-    stop at a deadline and send the work it finished).
+    Returns ``(mean train loss, optimiser steps, examples processed)``. Without ``algorithm``/``run``: plain
+    local SGD with the configured optimiser, FedProx's ``mu/2 * ||w - w_start||^2`` when ``proximal_mu > 0``, and
+    averaged SGD's Polyak-Ruppert average with ``asgd``. ``max_steps`` caps the steps (a client that must stop at
+    a deadline and send the work it finished).
     """
+    from fedsim.algorithms.base import LocalRun, LocalSGD
+    from fedsim.messages import TrainInstruction
+
     n = x.shape[0]
     bs = batch_size_for(n, cfg)
     steps = num_local_steps(n, cfg, max_steps)
-    params = [p for p in model.parameters() if p.requires_grad]
-    anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else None
+    if algorithm is None:
+        algorithm = LocalSGD(cfg)
+    if run is None:
+        start = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+        run = LocalRun(model, TrainInstruction(spec="", proximal_mu=proximal_mu), cfg, -1, start)
+    run.steps = steps
+    params = [p for _, p in run.params]
     opt = make_optimizer(params, cfg)
-    average = [p.detach().clone() for p in params] if cfg.optimizer == "asgd" else None
+    algorithm.before_training(run)
     model.train()
     total = torch.zeros((), dtype=torch.float64, device=x.device)  # summed on the device: no sync per step
-    done, seen = 0, 0
-    while done < steps:
+    seen = 0
+    while run.done < steps:
         order = torch.randperm(n, generator=generator).to(x.device)  # one pass over the data
-        for start in range(0, n, bs):
-            if done == steps:
+        for start_ in range(0, n, bs):
+            if run.done == steps:
                 break
-            idx = order[start : start + bs]
+            idx = order[start_ : start_ + bs]
             loss = F.cross_entropy(model(x[idx]), y[idx])
             total += loss.detach().double()
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            if anchor is not None:  # gradient of FedProx's mu/2 ||w - w_start||^2, added in place (no graph)
-                with torch.no_grad():
-                    for p, a in zip(params, anchor):
-                        p.grad.add_(p - a, alpha=proximal_mu)
+            algorithm.on_gradients(run)
             opt.step()
-            done += 1
+            run.done += 1
             seen += idx.numel()
-            if average is not None:  # running mean of the iterates after steps 1..done
-                with torch.no_grad():
-                    for a, p in zip(average, params):
-                        a.add_(p - a, alpha=1.0 / done)
-    if average is not None:
-        with torch.no_grad():
-            for a, p in zip(average, params):
-                p.copy_(a)
-    return float(total) / max(done, 1), done, seen
+            algorithm.after_step(run)
+    algorithm.after_training(run)
+    return float(total) / max(run.done, 1), run.done, seen
 
 
 @torch.no_grad()

@@ -22,6 +22,8 @@ capability                    meaning
                               sampling, which the privacy accountant must match).
 :class:`ReportsSummary`       ``summary_fields()`` returns entries for summary.json (e.g. the privacy
                               guarantee: epsilon, delta, accountant, sampling).
+``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
+                              strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
 ============================  ===============================================================================
 """
 
@@ -66,6 +68,20 @@ class ReportsSummary(Protocol):
     """A strategy with something to say in summary.json."""
 
     def summary_fields(self) -> dict[str, Any]: ...
+
+
+def unwrap(strategy: object) -> object:
+    """The strategy inside wrappers (a wrapper keeps the strategy it wraps as ``.strategy``)."""
+    from flwr.serverapp.strategy import Strategy
+
+    while isinstance(getattr(strategy, "strategy", None), (Strategy, AsyncStrategy)):
+        strategy = strategy.strategy
+    return strategy
+
+
+def client_algorithm(strategy: object) -> str | None:
+    """The client algorithm (class path) the strategy's clients must run, or None for any."""
+    return getattr(unwrap(strategy), "client_algorithm", None)
 
 
 def is_async(strategy: object) -> bool:

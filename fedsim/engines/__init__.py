@@ -16,11 +16,12 @@ from collections.abc import Callable
 from flwr.serverapp import Grid
 
 from fedsim.groups import EngineSettings, Placement
+from fedsim.keys import NODE_STATE_DIR
 
 LOCAL_ENGINES = ("inprocess", "vectorized")
 
 
-def local_grid(settings: EngineSettings, num_clients: int) -> Grid:
+def local_grid(settings: EngineSettings, num_clients: int, node_config: dict | None = None) -> Grid:
     """The Grid of local engine ``settings.name`` for ``num_clients`` virtual nodes.
 
     The Grid may hold worker processes: call its ``close()`` when done (it also closes itself when garbage
@@ -29,7 +30,7 @@ def local_grid(settings: EngineSettings, num_clients: int) -> Grid:
     if settings.name == "inprocess":
         from fedsim.engines.pool import PoolGrid
 
-        return PoolGrid(num_clients, workers=settings.workers)
+        return PoolGrid(num_clients, workers=settings.workers, node_config=node_config)
     if settings.name == "vectorized":
         from fedsim.engines.vectorized import VectorizedGrid
 
@@ -38,6 +39,7 @@ def local_grid(settings: EngineSettings, num_clients: int) -> Grid:
             threads=settings.threads,
             max_cohort=settings.max_cohort,
             vmap_conv_cpu=settings.vmap_conv_cpu,
+            node_config=node_config,
         )
     raise ValueError(f"unknown local engine {settings.name!r}")
 
@@ -50,9 +52,16 @@ class EngineRunner:
     """
 
     def __init__(
-        self, settings: EngineSettings, placement: Placement, num_clients: int, grid: Grid | None = None
+        self,
+        settings: EngineSettings,
+        placement: Placement,
+        num_clients: int,
+        grid: Grid | None = None,
+        state_dir: str | None = None,
     ):
         self.settings, self.num_clients, self.grid = settings, num_clients, grid
+        # local engines keep the clients' persistent state in the run folder (O(cohort) memory)
+        self.node_config = {NODE_STATE_DIR: str(state_dir)} if state_dir else {}
         self.name = "deployment" if grid is not None else settings.name
         self.backend: dict | None = None
         if self.name == "ray":
@@ -82,7 +91,7 @@ class EngineRunner:
 
             ray.run(self.num_clients, server_main, self.backend)
         else:
-            local = local_grid(self.settings, self.num_clients)
+            local = local_grid(self.settings, self.num_clients, self.node_config)
             try:
                 server_main(local)
             finally:

@@ -109,9 +109,14 @@ class VectorizedGrid(PoolGrid):
     """
 
     def __init__(
-        self, num_nodes: int, threads: int | None = None, max_cohort: int = 0, vmap_conv_cpu: bool = False
+        self,
+        num_nodes: int,
+        threads: int | None = None,
+        max_cohort: int = 0,
+        vmap_conv_cpu: bool = False,
+        node_config: dict | None = None,
     ) -> None:
-        super().__init__(num_nodes, workers=1)
+        super().__init__(num_nodes, workers=1, node_config=node_config)
         self._threads = int(threads or os.cpu_count() or 1)
         self._max_cohort = int(max_cohort)
         self._vmap_conv_cpu = bool(vmap_conv_cpu)
@@ -168,7 +173,11 @@ class VectorizedGrid(PoolGrid):
         except Exception:  # noqa: BLE001  (the ClientApp turns it into this client's error reply)
             return None
         reason = None
-        if task.faults is not None:
+        if task.algorithm is not None and not task.algorithm.batched:
+            reason = f"client algorithm {type(task.algorithm).__name__}"
+        elif any(name != keys.ARRAYS for name in content.array_records):
+            reason = "extra arrays in the train message"
+        elif task.faults is not None:
             reason = "injected faults"
         elif task.local.optimizer not in VECTOR_OPTIMIZERS:
             reason = f"optimizer {task.local.optimizer} (batched: {', '.join(VECTOR_OPTIMIZERS)})"

@@ -1,0 +1,167 @@
+"""Client algorithms (fedsim.algorithms): the contract, per-client state, and SCAFFOLD against a hand oracle."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
+from torch.nn import functional as F
+
+from fedsim import build
+from fedsim.algorithms import state as client_state
+from fedsim.algorithms.base import LocalSGD
+from fedsim.algorithms.state import DirectoryState
+from fedsim.errors import ConfigError
+
+N, K, LR, LR_G = 3, 2, 0.1, 0.5
+SCAFFOLD = [
+    "strategy=scaffold",
+    f"strategy.server_lr={LR_G}",
+    "model=logreg",
+    f"num_clients={N}",
+    f"clients_per_round={N}",
+    "client.batch_size=0",  # full batch: the oracle needs no minibatch order
+    f"client.local_steps={K}",
+    f"client.lr={LR}",
+    "checkpoint_every=0",
+]
+
+
+def _scaffold_oracle(rounds: int) -> dict[str, torch.Tensor]:
+    """SCAFFOLD option II by hand: full-batch local GD with the control-variate correction."""
+    spec = json.loads(build.client_spec(compose_cfg(*SCAFFOLD), "cpu"))
+    ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+    model = build.build_initial_model(spec)
+    x = {k: v.detach().double().clone() for k, v in model.state_dict().items()}
+    c = {k: torch.zeros_like(v) for k, v in x.items()}
+    c_i = [{k: torch.zeros_like(v) for k, v in x.items()} for _ in range(N)]
+    for _ in range(rounds):
+        ys, dcs = [], []
+        for pid in range(N):
+            xb = torch.as_tensor(ds.x_train[train[pid]]).double().flatten(1)
+            yb = torch.as_tensor(ds.y_train[train[pid]])
+            w = {k: v.clone().requires_grad_() for k, v in x.items()}
+            for _ in range(K):
+                loss = F.cross_entropy(F.linear(xb, w["1.weight"], w["1.bias"]), yb)
+                grads = torch.autograd.grad(loss, list(w.values()))
+                with torch.no_grad():
+                    for (k, p), g in zip(w.items(), grads):
+                        p -= LR * (g + c[k] - c_i[pid][k])
+            new_ci = {k: c_i[pid][k] - c[k] + (x[k] - w[k].detach()) / (K * LR) for k in x}
+            dcs.append({k: new_ci[k] - c_i[pid][k] for k in x})
+            c_i[pid] = new_ci
+            ys.append({k: v.detach() for k, v in w.items()})
+        x = {k: x[k] + LR_G * torch.stack([y[k] - x[k] for y in ys]).mean(0) for k in x}
+        c = {k: c[k] + sum(dc[k] for dc in dcs) / N for k in x}
+    return x
+
+
+def test_scaffold_matches_the_hand_oracle(tmp_path):
+    run_tiny(tmp_path, *SCAFFOLD, "num_rounds=2")
+    model = torch.load(tmp_path / "model.pt")
+    oracle = _scaffold_oracle(2)
+    for k in oracle:
+        torch.testing.assert_close(model[k].double(), oracle[k], rtol=1e-4, atol=1e-5)
+    # the control variates change round 2: without them it would be another model
+    plain = run_tiny(tmp_path / "fedavg", *[o for o in SCAFFOLD if "strategy" not in o], "num_rounds=2")
+    assert plain["status"] == "completed"
+    other = torch.load(tmp_path / "fedavg" / "model.pt")
+    assert not torch.allclose(other["1.weight"].double(), oracle["1.weight"], atol=1e-4)
+
+
+def test_scaffold_resume_is_bit_identical_with_the_client_state(tmp_path):
+    over = [*SCAFFOLD[:-1], "client.batch_size=8", "client.local_steps=3", "checkpoint_every=2"]
+    run_tiny(tmp_path / "full", *over, "num_rounds=4")
+    run_tiny(tmp_path / "part", *over, "num_rounds=2")
+    run_tiny(tmp_path / "resumed", *over, "num_rounds=4", f"resume={tmp_path / 'part'}")
+    assert without_wall_time(read_metrics(tmp_path / "full")) == without_wall_time(
+        read_metrics(tmp_path / "resumed")
+    )
+    a, b = torch.load(tmp_path / "full" / "model.pt"), torch.load(tmp_path / "resumed" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (tmp_path / "part" / "checkpoint_state" / "round-2").is_dir()
+
+
+def test_directory_state_reads_the_newest_version_before_the_task(tmp_path):
+    DirectoryState(tmp_path, 7, 1).save({"a": np.ones(2)})
+    DirectoryState(tmp_path, 7, 3).save({"a": np.full(2, 3.0)})
+    assert DirectoryState(tmp_path, 7, 1).load() == {}  # round 1 re-run after an interrupt: its own start
+    assert DirectoryState(tmp_path, 7, 3).load()["a"].tolist() == [1.0, 1.0]
+    assert DirectoryState(tmp_path, 7, 4).load()["a"].tolist() == [3.0, 3.0]
+    assert DirectoryState(tmp_path, 8, 4).load() == {}  # another client
+    for v in (4, 5, 6):
+        DirectoryState(tmp_path, 7, v).save({"a": np.full(2, float(v))})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["7-4.npz", "7-5.npz", "7-6.npz"]  # bounded on disk
+
+
+def test_client_state_checkpoint_and_resume_drop_an_abandoned_future(tmp_path):
+    run = tmp_path / "run"
+    for v in (1, 2, 3):
+        DirectoryState(run / client_state.STATE_DIR, 0, v).save({"a": np.full(1, float(v))})
+    client_state.checkpoint(run, 2)
+    new = tmp_path / "new"
+    client_state.resume(run, 2, new)
+    assert DirectoryState(new / client_state.STATE_DIR, 0, 3).load()["a"].tolist() == [2.0]
+    assert DirectoryState(new / client_state.STATE_DIR, 0, 9).load()["a"].tolist() == [
+        2.0
+    ]  # version 3 is gone
+
+
+def test_scaffold_clients_fall_back_from_the_vectorized_engine(tmp_path):
+    a = run_tiny(tmp_path / "seq", *SCAFFOLD, "num_rounds=2")
+    b = run_tiny(tmp_path / "vec", *SCAFFOLD, "num_rounds=2", "engine=vectorized")
+    assert a["final_eval_accuracy"] == b["final_eval_accuracy"]
+
+
+def test_a_strategy_gets_its_client_half_and_bad_pairs_are_one_line(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^client._target_='fedsim.algorithms.scaffold.Scaffold' .*needs strategy"
+    ):
+        run_tiny(tmp_path / "a", "+client._target_=fedsim.algorithms.scaffold.Scaffold")
+    with pytest.raises(
+        ConfigError, match=r"^client._target_='nope.Algo' is not allowed: expected a client algorithm"
+    ):
+        run_tiny(tmp_path / "b", "+client._target_=nope.Algo")
+    with pytest.raises(ConfigError, match=r"^client.bogus=1 is not allowed: expected an optimiser setting"):
+        run_tiny(tmp_path / "c", "+client.bogus=1")
+    with pytest.raises(
+        ConfigError, match=r"^strategy=.*synchronous strategy with a stateful client algorithm"
+    ):
+        run_tiny(tmp_path / "d", "strategy=fedbuff", "+client._target_=test_algorithms.KeepsState")
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+class KeepsState(LocalSGD):
+    """A user's stateful algorithm with no strategy of its own (counts its tasks)."""
+
+    stateful, batched = True, False
+
+    def after_training(self, run):
+        super().after_training(run)
+        run.state = {"tasks": np.asarray(run.state.get("tasks", 0)) + 1}
+
+
+def test_a_users_stateful_algorithm_keeps_its_state_per_client(tmp_path):
+    run_tiny(tmp_path, "+client._target_=test_algorithms.KeepsState", "num_rounds=3")
+    counts = {}
+    for f in (tmp_path / "client_state").iterdir():
+        pid, version = (int(x) for x in f.stem.split("-"))
+        with np.load(f) as z:
+            counts[(pid, version)] = int(z["tasks"])
+    for pid in {p for p, _ in counts}:
+        versions = sorted(v for p, v in counts if p == pid)
+        assert [counts[(pid, v)] for v in versions] == list(range(1, len(versions) + 1))
+
+
+def test_local_sgd_is_the_default_client_algorithm():
+    spec = json.loads(build.client_spec(compose_cfg(), "cpu"))
+    algo = build.client_algorithm(spec)
+    assert (
+        type(algo) is LocalSGD
+        and algo.batched
+        and not algo.stateful
+        and algo.local == build.local_training(spec)
+    )
