@@ -8,7 +8,7 @@ num_clients=50`` on the command line; hand it to :func:`fedsim.run.run_experimen
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 # Offline, reproducible Flower and Ray processes: no telemetry, no update check, no `uv sync` of the app per run.
 FLOWER_ENV: Mapping[str, str] = {
@@ -33,12 +33,27 @@ def flower_env(environ: dict | None = None) -> dict:
     return env
 
 
-def compose(*overrides: str, config_dir: str | None = None, return_hydra_config: bool = False):
-    """fedsim's config with Hydra ``overrides`` (from ``config_dir`` when given, else the installed configs)."""
+def compose(
+    *overrides: str,
+    config_dir: str | None = None,
+    return_hydra_config: bool = False,
+    searchpath: Sequence[str | os.PathLike] = (),
+):
+    """fedsim's config with Hydra ``overrides`` (from ``config_dir`` when given, else the installed configs).
+
+    ``searchpath`` adds config folders of your own after fedsim's (a folder, ``file://...`` or ``pkg://...``):
+    their options join fedsim's groups, their new folders are new groups. It is the override
+    ``hydra.searchpath=[...]`` (give one or the other), as on the command line:
+    ``compose("dataset=blobs", searchpath=["conf"])`` is ``fedsim "hydra.searchpath=[file://$PWD/conf]"
+    dataset=blobs``.
+    """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
+    if searchpath and any(o.startswith("hydra.searchpath=") for o in overrides):
+        raise ValueError("give the search path once: searchpath=[...] or the override hydra.searchpath=[...]")
+    overrides = (*overrides, *_searchpath_override(searchpath))
     GlobalHydra.instance().clear()
     init = (
         initialize_config_dir(config_dir=config_dir, version_base=None)
@@ -52,3 +67,14 @@ def compose(*overrides: str, config_dir: str | None = None, return_hydra_config:
             )
     finally:
         GlobalHydra.instance().clear()
+
+
+def _searchpath_override(searchpath: Sequence[str | os.PathLike]) -> list[str]:
+    """``["hydra.searchpath=[...]"]`` for :func:`compose`'s ``searchpath`` (folders made ``file://`` URLs)."""
+    if isinstance(searchpath, (str, os.PathLike)):
+        searchpath = [searchpath]
+    if not searchpath:
+        return []
+    urls = [str(p) if "://" in str(p) else f"file://{os.path.abspath(p)}" for p in searchpath]
+    quoted = ["'" + u.replace("\\", "\\\\").replace("'", "\\'") + "'" for u in urls]
+    return [f"hydra.searchpath=[{','.join(quoted)}]"]

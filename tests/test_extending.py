@@ -1,0 +1,217 @@
+"""A user's own project folder, no fork: their data set, model and strategy in their own ``conf/``.
+
+The folder is built in a temporary directory and fedsim runs in it as a user would run it (a subprocess with the
+folder as its working directory and ``PYTHONPATH=.``): ``hydra.searchpath=[file://...]``, ``--config-dir``, a
+primary config of their own, a sweep over their own model key, and the one-line error for an option that does
+not exist. docs/extending.md describes the same folder.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fedsim.cli import unknown_key
+from fedsim.config import FLOWER_ENV, compose
+
+USER_FILES = {
+    "mydata.py": '''
+        """Gaussian blobs: one cluster per class."""
+        import numpy as np
+
+        from fedsim.data.base import Dataset
+
+
+        def blobs(seed, n=400, dim=2, num_classes=3, spread=1.0, test_fraction=0.2):
+            rng = np.random.default_rng(seed)
+            centers = rng.normal(0.0, 4.0, size=(num_classes, dim))
+            y = rng.integers(0, num_classes, size=n)
+            x = (centers[y] + spread * rng.normal(size=(n, dim))).astype(np.float32)
+            k = int(round((1 - test_fraction) * n))
+            y = y.astype(np.int64)
+            return Dataset("blobs", x[:k], y[:k], x[k:], y[k:], num_classes, (dim,))
+    ''',
+    "mymodel.py": """
+        import math
+
+        from torch import nn
+
+
+        def widthnet(input_shape, num_classes, width=8):
+            return nn.Sequential(
+                nn.Flatten(), nn.Linear(math.prod(input_shape), width), nn.ReLU(), nn.Linear(width, num_classes)
+            )
+    """,
+    "mystrategy.py": '''
+        from fedsim.strategies.fedavg import FedAvg
+
+
+        class CountingAvg(FedAvg):
+            """FedAvg that counts its rounds: a metric per round and a field in summary.json."""
+
+            def __init__(self, tag="mine", **kwargs):
+                super().__init__(**kwargs)
+                self.tag, self.rounds = tag, 0
+
+            def aggregate_train(self, server_round, replies):
+                arrays, metrics = super().aggregate_train(server_round, replies)
+                self.rounds += 1
+                if metrics is not None:
+                    metrics["counting_rounds"] = self.rounds
+                return arrays, metrics
+
+            def summary_fields(self):
+                return {"counting_avg": {"tag": self.tag, "rounds": self.rounds}}
+    ''',
+    "conf/dataset/blobs.yaml": """
+        _target_: mydata.blobs
+        n: 400
+        spread: 1.0
+    """,
+    "conf/model/widthnet.yaml": """
+        _target_: mymodel.widthnet
+        _partial_: true
+        width: 8
+    """,
+    "conf/strategy/counting.yaml": """
+        _target_: mystrategy.CountingAvg
+        tag: mine
+    """,
+    "conf/loss/smooth.yaml": """
+        smoothing: 0.1
+    """,
+    "conf/myexp.yaml": """
+        defaults:
+          - config
+          - override dataset: blobs
+          - override model: widthnet
+          - _self_
+        num_clients: 4
+        clients_per_round: 2
+        num_rounds: 2
+    """,
+}
+
+TINY = ["num_clients=4", "clients_per_round=2", "num_rounds=2", "quiet=true", "checkpoint_every=0"]
+
+
+@pytest.fixture
+def user_folder(tmp_path):
+    folder = tmp_path / "project"
+    for name, text in USER_FILES.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text).lstrip())
+    return folder
+
+
+def fedsim(*args, cwd: Path):
+    env = {**os.environ, **FLOWER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (".", os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run(
+        [sys.executable, "-m", "fedsim", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def test_precheck_learns_the_users_options_and_keys_from_the_search_path(user_folder, monkeypatch):
+    monkeypatch.chdir(user_folder)
+    searchpath = f"hydra.searchpath=[file://{user_folder}/conf]"
+    assert unknown_key([searchpath, "dataset=blobs", "model=widthnet", "model.width=4"]) is None
+    assert unknown_key(["--config-dir", "conf", "-m", "model=widthnet", "model.width=4,8"]) is None
+    assert unknown_key(["-cd", "conf", "-cn", "myexp", "model.width=4"]) is None  # the user's primary config
+    assert unknown_key(["-cd", "conf", "+loss=smooth", "loss.smoothing=0.2"]) is None  # a new group of theirs
+
+    msg = unknown_key([searchpath, "dataset=blobz"])  # the options found, theirs and fedsim's
+    assert msg.startswith("dataset='blobz' is not allowed: expected one of blobs, ") and "digits" in msg
+    assert "\n" not in msg
+    assert unknown_key(["-cd", "conf", "+loss=nope"]) == "loss='nope' is not allowed: expected one of smooth"
+    assert "did you mean 'model.width'?" in unknown_key(["-cd", "conf", "-cn", "myexp", "model.widht=4"])
+    # fedsim's own configs: as before (the user's option is not there without their search path)
+    assert unknown_key(["dataset=blobs"]).startswith(
+        "dataset='blobs' is not allowed: expected one of cifar10"
+    )
+    assert "did you mean 'num_clients'?" in unknown_key(["num_clientz=3"])
+
+
+def test_precheck_and_compose_read_a_pkg_searchpath(user_folder, monkeypatch):
+    package = user_folder / "blobs_project_conf"
+    (package / "dataset").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "dataset" / "pblobs.yaml").write_text("_target_: mydata.blobs\nn: 100\n")
+    monkeypatch.syspath_prepend(str(user_folder))
+    try:
+        assert unknown_key(["hydra.searchpath=[pkg://blobs_project_conf]", "dataset=pblobs"]) is None
+        assert "pblobs" in unknown_key(["hydra.searchpath=[pkg://blobs_project_conf]", "dataset=nope"])
+        cfg = compose("dataset=pblobs", searchpath=["pkg://blobs_project_conf", user_folder / "conf"])
+        assert cfg.dataset.n == 100
+        cfg = compose("dataset=blobs", "model=widthnet", "model.width=5", searchpath=[user_folder / "conf"])
+        assert cfg.dataset._target_ == "mydata.blobs" and cfg.model.width == 5
+    finally:
+        sys.modules.pop("blobs_project_conf", None)
+
+
+@pytest.mark.slow
+def test_a_user_folder_runs_with_its_own_data_model_and_strategy(user_folder):
+    res = fedsim(
+        f"hydra.searchpath=[file://{user_folder}/conf]",
+        "dataset=blobs",
+        "model=widthnet",
+        "strategy=counting",
+        "hydra.run.dir=run",
+        *TINY,
+        cwd=user_folder,
+    )
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((user_folder / "run" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_done"] == 2
+    assert summary["config"]["dataset"]["_target_"] == "mydata.blobs"
+    assert summary["counting_avg"] == {"tag": "mine", "rounds": 2}  # the user's strategy ran
+    lines = [json.loads(ln) for ln in (user_folder / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["counting_rounds"] for ln in lines if "counting_rounds" in ln] == [1, 2]
+
+    res = fedsim(f"hydra.searchpath=[file://{user_folder}/conf]", "dataset=blobz", cwd=user_folder)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: config error")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1
+    assert "dataset='blobz' is not allowed: expected one of blobs, cifar10, digits" in errors[0]
+
+
+@pytest.mark.slow
+def test_config_dir_sweep_over_the_users_own_model_key(user_folder):
+    res = fedsim(
+        "--config-dir",
+        "conf",
+        "-m",
+        "dataset=blobs",
+        "model=widthnet",
+        "model.width=4,8",
+        "hydra.sweep.dir=sweep",
+        *TINY,
+        cwd=user_folder,
+    )
+    assert res.returncode == 0, res.stderr
+    for job, width in (("0", 4), ("1", 8)):
+        folder = user_folder / "sweep" / job
+        assert yaml.safe_load((folder / ".hydra" / "config.yaml").read_text())["model"]["width"] == width
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["config"]["model"]["width"] == width
+        weights = torch.load(folder / "model.pt", weights_only=True)
+        assert tuple(weights["1.weight"].shape) == (width, 2)  # the model that trained had that width
+
+    res = fedsim("-cd", "conf", "-cn", "myexp", "model.width=5", "--cfg", "job", cwd=user_folder)
+    assert res.returncode == 0, res.stderr
+    cfg = yaml.safe_load(res.stdout)
+    assert cfg["model"] == {"_target_": "mymodel.widthnet", "_partial_": True, "width": 5}
+    assert cfg["dataset"]["_target_"] == "mydata.blobs" and cfg["num_rounds"] == 2
+
+    res = fedsim("-cd", "conf", "-m", "model=widthnet,nosuch", cwd=user_folder)
+    assert res.returncode == 2 and not (user_folder / "multirun").exists()
+    assert (
+        "fedsim: config error: model='nosuch' is not allowed: expected one of cnn, logreg, mlp, widthnet"
+        in (res.stderr)
+    )
