@@ -165,3 +165,67 @@ def test_local_sgd_is_the_default_client_algorithm():
         and not algo.stateful
         and algo.local == build.local_training(spec)
     )
+
+
+# ---------------------------------------------------------------------------------------------------- FedNova
+def test_fednova_normalises_by_local_steps_by_hand():
+    from strategy_helpers import make_reply, numpy_of
+
+    from fedsim.strategies.fednova import FedNova
+
+    x = {"w": np.array([1.0, 2.0])}
+    y1, y2 = {"w": np.array([0.0, 2.0])}, {"w": np.array([1.0, 0.0])}  # 4 steps, 1 step
+    s = FedNova(fraction_train=1.0, min_train_nodes=1, min_available_nodes=1)
+    s.current = x
+    replies = [
+        make_reply(y1, num_examples=1, num_steps=4),
+        make_reply(y2, num_examples=3, partition_id=1, num_steps=1),
+    ]
+    out, _ = s.aggregate_train(1, replies)
+    p = np.array([0.25, 0.75])
+    tau_eff = 0.25 * 4 + 0.75 * 1
+    expect = x["w"] - tau_eff * (p[0] * (x["w"] - y1["w"]) / 4 + p[1] * (x["w"] - y2["w"]) / 1)
+    np.testing.assert_allclose(numpy_of(out)["w"], expect)
+    fedavg = 0.25 * y1["w"] + 0.75 * y2["w"]
+    assert not np.allclose(expect, fedavg)  # FedAvg lets the 4-step client pull harder
+    s.current = x  # equal steps: FedNova is FedAvg
+    same, _ = s.aggregate_train(2, [make_reply(y1, 1, num_steps=2), make_reply(y2, 3, 1, num_steps=2)])
+    np.testing.assert_allclose(numpy_of(same)["w"], fedavg)
+
+
+# ---------------------------------------------------------------------------------------------------- FedDyn
+ALPHA = 0.1
+FEDDYN = ["strategy=feddyn", f"strategy.alpha={ALPHA}", *SCAFFOLD[2:]]
+
+
+def _feddyn_oracle(rounds: int) -> dict[str, torch.Tensor]:
+    spec = json.loads(build.client_spec(compose_cfg(*FEDDYN), "cpu"))
+    ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+    x = {k: v.detach().double().clone() for k, v in build.build_initial_model(spec).state_dict().items()}
+    h = {k: torch.zeros_like(v) for k, v in x.items()}
+    g = [{k: torch.zeros_like(v) for k, v in x.items()} for _ in range(N)]
+    for _ in range(rounds):
+        ws = []
+        for pid in range(N):
+            xb = torch.as_tensor(ds.x_train[train[pid]]).double().flatten(1)
+            yb = torch.as_tensor(ds.y_train[train[pid]])
+            w = {k: v.clone().requires_grad_() for k, v in x.items()}
+            for _ in range(K):
+                loss = F.cross_entropy(F.linear(xb, w["1.weight"], w["1.bias"]), yb)
+                grads = torch.autograd.grad(loss, list(w.values()))
+                with torch.no_grad():
+                    for (k, p), gr in zip(w.items(), grads):
+                        p -= LR * (gr - g[pid][k] + ALPHA * (p - x[k]))
+            g[pid] = {k: g[pid][k] - ALPHA * (w[k].detach() - x[k]) for k in x}
+            ws.append({k: v.detach() for k, v in w.items()})
+        h = {k: h[k] - ALPHA / N * sum(w[k] - x[k] for w in ws) for k in x}
+        x = {k: torch.stack([w[k] for w in ws]).mean(0) - h[k] / ALPHA for k in x}
+    return x
+
+
+def test_feddyn_matches_the_hand_oracle(tmp_path):
+    run_tiny(tmp_path, *FEDDYN, "num_rounds=2")
+    model = torch.load(tmp_path / "model.pt")
+    oracle = _feddyn_oracle(2)
+    for k in oracle:
+        torch.testing.assert_close(model[k].double(), oracle[k], rtol=1e-4, atol=1e-5)

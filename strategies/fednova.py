@@ -1,0 +1,64 @@
+"""FedNova (Wang, Liu, Liang, Joshi, Poor, NeurIPS 2020, https://arxiv.org/abs/2007.07481): normalised averaging.
+
+Clients that take different numbers of local steps ``tau_i`` (partial work before a deadline, different data
+sizes) pull a plain average toward the objective of the busiest ones. FedNova averages the clients' *normalised*
+updates and rescales by the effective number of steps (vanilla local SGD: ``a_i = tau_i``)::
+
+    p_i = n_i / sum_j n_j                       # the round's data-size weights
+    tau_eff = sum_i p_i tau_i
+    x <- x - server_lr * tau_eff * sum_i p_i (x - y_i) / tau_i
+
+With equal ``tau_i`` this is FedAvg. ``tau_i`` is the reply's ``num-steps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from fedsim import keys
+from fedsim.checks import number
+from fedsim.strategies.aggregate import is_float
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.records import reply_metrics
+
+
+class FedNova(FedAvg):
+    """FedNova for local SGD (``a_i = tau_i``), weighted by example count, with a server learning rate."""
+
+    def __init__(self, server_lr: float = 1.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.server_lr = number("server_lr", server_lr, 0.0, lo_open=True)
+        self._steps: list[float] = []
+        self.current: dict[str, np.ndarray] | None = None
+
+    def configure_train(self, server_round, arrays, config, grid):
+        """Flower's train messages; remembers the model sent."""
+        from fedsim.strategies.records import to_numpy
+
+        self.current = to_numpy(arrays)
+        return super().configure_train(server_round, arrays, config, grid)
+
+    def _parse(self, replies):
+        valid, models, weights = super()._parse(replies)
+        self._steps = [float(reply_metrics(m).get(keys.NUM_STEPS, 1)) for m in valid]
+        return valid, models, weights
+
+    def combine(
+        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
+    ) -> dict[str, np.ndarray]:
+        """``x - lr * tau_eff * sum_i p_i (x - y_i) / tau_i`` on float arrays; others from the mean."""
+        x = self.current
+        p = np.asarray(weights, np.float64) / float(np.sum(weights))
+        tau = np.maximum(np.asarray(self._steps, np.float64), 1.0)
+        tau_eff = float(np.sum(p * tau))
+        out = super().combine(models, weights)
+        for k in out:
+            if is_float(x[k]):
+                d = sum(
+                    pi * (np.asarray(x[k], np.float64) - np.asarray(m[k], np.float64)) / ti
+                    for pi, ti, m in zip(p, tau, models)
+                )
+                out[k] = np.asarray(x[k], np.float64) - self.server_lr * tau_eff * d
+        return out
