@@ -138,13 +138,15 @@ def agreement_tolerance(device: str, deterministic: bool, steps: int) -> float:
 WORKER_INDEX_ENV = "FEDSIM_WORKER_INDEX"
 
 
-def resolve_device(name: str, key: str = "placement.device") -> str:
+def resolve_device(name: str, key: str = "placement.device", partition_id: int | None = None) -> str:
     """The torch device for ``name`` as seen by *this* process; check that a ``cuda:N`` device exists here.
 
     ``name`` is one the placement group accepted (``cpu``, ``auto``, ``cuda`` or ``cuda:N``). ``auto`` and
     ``cuda`` take a visible GPU: in worker ``k`` of a local pool (``FEDSIM_WORKER_INDEX=k``) GPU
-    ``k mod count``, so the workers spread over every GPU of the box; elsewhere (the server, a Ray actor, which
-    sees only the GPU Ray gave it) the current one. ``auto`` without a visible GPU is ``cpu``.
+    ``k mod count``, so the workers spread over every GPU of the box; for a client trained in the server's own
+    process (``inprocess`` with one worker, ``vectorized``) GPU ``partition_id mod count``, so a cohort spreads
+    over the GPUs too; elsewhere (the server's evaluation, a Ray actor, which sees only the GPU Ray gave it) the
+    current one. ``auto`` without a visible GPU is ``cpu``.
 
     Raises
     ------
@@ -154,7 +156,11 @@ def resolve_device(name: str, key: str = "placement.device") -> str:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name in ("auto", "cuda") and count:
         worker = os.environ.get(WORKER_INDEX_ENV)
-        return f"cuda:{int(worker) % count}" if worker is not None and count > 1 else "cuda"
+        if count > 1 and worker is not None:
+            return f"cuda:{int(worker) % count}"
+        if count > 1 and partition_id is not None:
+            return f"cuda:{int(partition_id) % count}"
+        return "cuda"
     if name == "auto":
         return "cpu"
     if name.startswith("cuda") and int(name.partition(":")[2] or 0) >= count:
@@ -345,7 +351,7 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
     spec = json.loads(spec_json)
     torch.set_num_threads(max(1, int(spec.get("threads", 1))))
     set_numerics(bool(spec.get("deterministic", False)))
-    device = resolve_device(spec["device"])
+    device = resolve_device(spec["device"], partition_id=partition_id)
     ds = build_dataset(spec)
     train, val = build_partitions(spec)
     if not 0 <= partition_id < len(train):

@@ -44,6 +44,10 @@ def test_devices_are_resolved_in_the_process_that_trains(two_gpus, monkeypatch):
         seen.append(build.resolve_device("cuda"))
     assert seen == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
     assert build.resolve_device("cpu") == "cpu"
+    # clients trained in the server's own process (inprocess, vectorized) spread by partition id
+    monkeypatch.delenv(build.WORKER_INDEX_ENV)
+    assert [build.resolve_device("cuda", partition_id=p) for p in range(4)] == ["cuda:0", "cuda:1"] * 2
+    assert build.resolve_device("cuda") == "cuda"  # the server's own evaluation
 
 
 def test_auto_without_a_gpu_is_the_cpu(monkeypatch):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,16 +136,30 @@ class VectorizedGrid(PoolGrid):
         groups: dict[tuple, list[_Client]] = {}
         for c in clients:
             groups.setdefault((id(c.task.model), c.task.local, c.task.device, c.proximal_mu), []).append(c)
-        for (_, local, device, mu), group in groups.items():
-            try:
-                done.update(self._train(group, local, device, mu))
+        items = list(groups.items())
+        devices = {key[2] for key, _ in items}
+        if len(devices) > 1 and all(torch.device(d).type == "cuda" for d in devices):
+            # the cohort's clients sit on several GPUs (partition id mod GPUs): one thread per GPU
+            with ThreadPoolExecutor(len(devices)) as pool:
+                results = list(pool.map(self._attempt, items))
+        else:
+            results = [self._attempt(item) for item in items]
+        for (_, group), replies, why in results:
+            if replies is not None:
+                done.update(replies)
                 continue
-            except Exception as exc:  # noqa: BLE001  (the ClientApp path gives each client its own reply)
-                why = f"{type(exc).__name__}: {exc}"
             # outside the except block, so that the failed batch's tensors are freed before the ClientApp runs
             log.warning("vectorized training failed (%s); running %d clients sequentially", why, len(group))
             done.update(super()._run_batch([c.msg for c in group], deadline))
         return done
+
+    def _attempt(self, item: tuple) -> tuple:
+        """Batched training of one group: ``(item, replies, None)``, or ``(item, None, why)`` when it failed."""
+        (_, local, device, mu), group = item
+        try:
+            return item, self._train(group, local, device, mu), None
+        except Exception as exc:  # noqa: BLE001  (the ClientApp path gives each client its own reply)
+            return item, None, f"{type(exc).__name__}: {exc}"
 
     def _skip(self, reason: str) -> None:
         if reason not in self._reported:
