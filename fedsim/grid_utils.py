@@ -68,32 +68,68 @@ class SampledGrid(GridView):
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
-    """Wait until ``expected`` nodes are connected; raise ``RunError`` after ``timeout`` seconds."""
+    """Wait until ``expected`` nodes are connected; raise ``RunError`` after ``timeout`` seconds.
+
+    Counts the nodes ``grid.get_node_ids()`` lists: behind a deployment's node binding, only nodes it may use.
+    """
     end = time.monotonic() + timeout
     while len(nodes := sorted(grid.get_node_ids())) < expected:
         if time.monotonic() > end:
-            raise RunError(f"only {len(nodes)} of {expected} clients connected within {timeout:.0f} s")
+            refused = len(getattr(grid, "refused", ()))
+            also = f" ({refused} other node(s) refused: see nodes.json)" if refused else ""
+            raise RunError(f"only {len(nodes)} of {expected} clients connected within {timeout:.0f} s{also}")
         time.sleep(0.05)
     return nodes
 
 
-def discover(grid: Grid, node_ids: list[int], spec: str, timeout: float) -> dict[int, tuple[int, int]]:
-    """Ask every node for its partition id and size: ``{partition_id: (node_id, num_examples)}``."""
+def discover(
+    grid: Grid,
+    node_ids: list[int],
+    spec: str,
+    timeout: float,
+    found: dict[int, tuple[int, int]] | None = None,
+) -> dict[int, tuple[int, int]]:
+    """Ask every node for its partition id and size: ``{partition_id: (node_id, num_examples)}``.
+
+    ``found`` (updated and returned) holds partitions already taken. A node whose claim cannot stand gets no
+    work and never stops the run: one warning line each, through ``grid.refuse(node, partition, reason)``
+    when the grid has it (a deployment's node gate, which also judges claims with ``grid.check_claim``). A
+    partition claimed twice stays with the node listed first in ``node_ids`` (or asked earlier).
+    A node whose client fails to start (an error reply) stops discovery with ``RunError``.
+    """
     msgs = [
         Message(RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec})}), nid, MessageType.QUERY)
         for nid in node_ids
     ]
-    found: dict[int, tuple[int, int]] = {}
-    for rep in grid.send_and_receive(msgs, timeout=timeout):
+    found = {} if found is None else found
+    check, refuse, accept = (getattr(grid, a, None) for a in ("check_claim", "refuse", "accept"))
+    order = {nid: i for i, nid in enumerate(node_ids)}
+    replies = sorted(
+        grid.send_and_receive(msgs, timeout=timeout),
+        key=lambda r: order.get(r.metadata.src_node_id, len(order)),
+    )
+    for rep in replies:
         if rep.has_error():
             raise RunError(
                 f"client on node {rep.metadata.src_node_id} failed to start: {first_line(str(rep.error.reason))}"
             )
+        nid = rep.metadata.src_node_id
         m = rep.content[keys.METRICS]
         pid = int(m[keys.PARTITION_ID])
-        if pid in found:
-            raise RunError(f"two nodes claim partition-id={pid}; give each SuperNode its own partition")
-        found[pid] = (rep.metadata.src_node_id, int(m[keys.NUM_EXAMPLES]))
+        reason = check(nid, pid) if check is not None else None
+        if reason is None and pid in found:
+            reason = f"claims partition-id={pid}, which node {found[pid][0]} holds (two nodes claim it)"
+        if reason is not None:
+            if refuse is not None:
+                refuse(nid, pid, reason)
+            else:
+                import logging
+
+                logging.getLogger("fedsim").warning("node %d refused, it gets no work: %s", nid, reason)
+            continue
+        found[pid] = (nid, int(m[keys.NUM_EXAMPLES]))
+        if accept is not None:
+            accept(nid, pid)
     return found
 
 

@@ -59,8 +59,20 @@ def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, in
         found = {partition_of(n): (n, len(train[partition_of(n)])) for n in nodes}
         if any(found.get(pid) != got for pid, got in first.items()):
             raise RunError(f"node {nodes[0]} reports partition {first} but the grid maps it differently")
-    else:
-        found = discover(grid, nodes, spec, loop.node_timeout)
+    else:  # deployment: every node reports its partition; a refused claim leaves it to a node joining later
+        found: dict[int, tuple[int, int]] = {}
+        asked: set[int] = set()
+        end = time.monotonic() + loop.node_timeout
+        while True:
+            new = [
+                n for n in grid.get_node_ids() if n not in asked
+            ]  # the grid's order: first registered first
+            asked.update(new)
+            if new:
+                discover(grid, new, spec, max(1.0, end - time.monotonic()), found)
+            if set(range(loop.num_clients)) <= set(found) or time.monotonic() > end:
+                break
+            time.sleep(0.5)
     missing = sorted(set(range(loop.num_clients)) - set(found))
     if missing:
         raise RunError(f"no node answered for partition ids {missing[:10]}")

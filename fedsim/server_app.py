@@ -9,12 +9,18 @@ run_config keys (declared in pyproject's ``[tool.flwr.app.config]``):
 
 * ``overrides``: one string of Hydra overrides, split like a shell command line (``shlex``).
 * ``out-dir``: the run folder. Empty: ``outputs/deploy-<YYYY-mm-dd_HH-MM-SS>``. A relative path is taken from
-  the ServerApp's working directory, which is the directory the ``flower-superlink`` was started in.
+  the ServerApp's working directory (where ``flower-superexec``, or the ``flower-superlink`` that started it,
+  was started).
+* ``nodes``: a YAML file on the server binding partition ids to the SuperNodes' registered public keys or
+  names (``fedsim.deploy.nodes``). Empty: no binding; every node's self-declared ``partition-id`` is believed
+  (logged as a warning). With a binding, a node that is not listed, or claims another partition than its own,
+  gets no work, and the run folder's ``nodes.json`` names it and says why.
 
 Besides the usual run folder (metrics.jsonl, summary.json, model.pt, ...), a deployed run writes
 ``replies.jsonl``: one line per reply from a SuperNode (``time`` since the start, message ``type``,
 ``node_id``, the ``partition_id`` and ``num_examples`` the node reported, ``error`` if any), to see who
-answered what, with how much data, and when.
+answered what, with how much data, and when; and ``nodes.json``: the nodes accepted (with the partition) and
+refused (with the reason), each with its registered name and public-key fingerprint.
 
 A config error ends the run with one line naming the key and the value (``flwr ls`` shows it as the run's
 status details; ``flwr log`` shows it too).
@@ -40,6 +46,7 @@ from fedsim.grid_utils import GridView
 
 OVERRIDES = "overrides"  # run_config key: Hydra overrides, one string
 OUT_DIR = "out-dir"  # run_config key: the run folder ("" = outputs/deploy-<timestamp>)
+NODES = "nodes"  # run_config key: the node binding file on the server ("" = none)
 
 log = logging.getLogger("fedsim")
 app = ServerApp()
@@ -152,6 +159,9 @@ class ReplyLog(GridView):
         if self._file is not None:
             self._file.close()
 
+    def get_nodes(self):
+        return self._grid.get_nodes()
+
     def push_messages(self, messages):
         messages = list(messages)
         ids = list(self._grid.push_messages(messages))
@@ -179,6 +189,25 @@ def out_dir_from(run_config: dict) -> Path:
     return Path(value).expanduser() if value else default_out_dir()
 
 
+def binding_from(run_config: dict):
+    """The node binding named by ``nodes`` in ``run_config`` (None when empty).
+
+    Raises
+    ------
+    DeployConfigError
+        The file cannot be read or an entry is not a node identity (one line naming the file and entry).
+    """
+    from fedsim.deploy.nodes import BindingError, load_binding
+
+    value = str(run_config.get(NODES, "") or "").strip()
+    if not value:
+        return None
+    try:
+        return load_binding(value)
+    except BindingError as e:
+        raise DeployConfigError(f"fedsim config error: {e}") from None
+
+
 def experiment_from(run_config: dict) -> tuple[DictConfig, dict, Path]:
     """Config, group choices and run folder of a deployed run, from its ``run_config``."""
     try:
@@ -204,16 +233,30 @@ def main(grid: Grid, context: Context) -> None:
         handler.setFormatter(logging.Formatter("fedsim %(levelname)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    cfg, choices, out_dir = experiment_from(dict(context.run_config))
+    from fedsim.deploy.nodes import NODES_FILE, NodeGate
+
+    run_config = dict(context.run_config)
+    cfg, choices, out_dir = experiment_from(run_config)
+    binding = binding_from(run_config)
     log.info("run folder: %s", out_dir.resolve())
+    if binding is None:
+        log.warning(
+            "no node binding (run config %s=''): each SuperNode's partition-id is self-declared and believed; "
+            "bind partitions to registered keys with %s=FILE (docs/deploy.md)",
+            NODES,
+            NODES,
+        )
     replies = ReplyLog(grid, out_dir / "replies.jsonl")
+    gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE)
     try:
-        summary = run_experiment(cfg, out_dir, choices, grid=replies)
+        summary = run_experiment(cfg, out_dir, choices, grid=gate)
     except ConfigError as e:
         log.error("config error: %s", e)
         raise DeployConfigError(f"fedsim config error: {e}") from None
     finally:
         replies.close()
+        if gate.refused:
+            log.warning("%s (see %s)", gate.summary(), out_dir / NODES_FILE)
     log.info(
         "run %s: %s rounds in %.1f s, final accuracy %s",
         summary.get("status"),

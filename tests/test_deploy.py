@@ -1,17 +1,27 @@
 """Deployment: fedsim's ServerApp and ClientApp on a real Flower SuperLink with three SuperNodes on 127.0.0.1.
 
-The federation (TLS, SuperNode authentication, free ports) is started once for the module and stopped at the
-end, checking that no process it started is left. Waiting is always polling for a condition with a generous
-limit, never a fixed sleep. The first tests need no federation: packaging, commands and bad input.
+The federation is the hardened one ``fedsim.deploy`` starts (TLS, SuperNode authentication, the SuperLink on
+127.0.0.1 behind a front that forwards only the Fleet API, ServerApps launched by a SuperExec holding a shared
+secret, nodes bound to partitions by their registered keys), on free ports; it is started once for the module
+and stopped at the end, checking that no process it started is left. Besides the three honest nodes it holds
+two that must get no work: one registered but not in the binding, one bound to partition 1 that claims 0.
+Waiting is always polling for a condition with a generous limit, never a fixed sleep. The first tests need no
+federation: packaging, commands, the binding, the front's rules, certificates and bad input.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shlex
 import shutil
+import ssl
 import subprocess
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,14 +43,20 @@ from fedsim.deploy import (
 )
 from fedsim.deploy.launch import running
 from fedsim.node_data import save_node_data
-from fedsim.server_app import DeployConfigError, experiment_from
-
+from fedsim.server_app import DeployConfigError, binding_from, experiment_from
 
 APP = Path(__file__).resolve().parents[1]  # the Flower App folder (pyproject.toml with [tool.flwr.app])
 N = 3
 # Tiny and fast: 60 features, an MLP, 3 clients all sampled every round.
 TINY = ["dataset=synthetic", f"num_clients={N}", f"clients_per_round={N}", "quiet=true", "checkpoint_every=0"]
 NODE2_TRAIN, NODE2_VAL = 23, 5  # node 2 trains on its own folder of this many examples
+
+
+def front_nginx() -> str | None:
+    from fedsim.deploy.front import nginx_binary
+
+    return nginx_binary()
+
 
 needs_flower = pytest.mark.skipif(
     shutil.which("flower-superlink") is None or shutil.which("flwr") is None,
@@ -60,30 +76,32 @@ def test_overrides_compose_the_same_config_as_the_command_line():
     assert "hydra" not in cfg
 
 
+def message(src: int, dst: int, reply_to: str = "", content=None, error=None, kind: str = "train"):
+    """A Flower ``Message`` with the metadata a SuperLink would give it (for fake grids)."""
+    from flwr.app import Message, Metadata
+
+    meta = Metadata(
+        run_id=1,
+        message_id="",
+        src_node_id=src,
+        dst_node_id=dst,
+        reply_to_message_id=reply_to,
+        group_id="1",
+        message_type=kind,
+        created_at=time.time(),
+        ttl=60,
+    )
+    return (
+        Message(metadata=meta, error=error) if error is not None else Message(metadata=meta, content=content)
+    )
+
+
 def test_reply_log_names_the_node_a_superlink_error_reply_stands_for(tmp_path):
     """The SuperLink answers for a node it gave up on with its own node id; replies.jsonl names the node."""
-    from flwr.app import Error, Message, Metadata, MetricRecord, RecordDict
+    from flwr.app import Error, MetricRecord, RecordDict
 
     from fedsim import keys
     from fedsim.server_app import ReplyLog
-
-    def message(src: int, dst: int, reply_to: str = "", content=None, error=None) -> Message:
-        meta = Metadata(
-            run_id=1,
-            message_id="",
-            src_node_id=src,
-            dst_node_id=dst,
-            reply_to_message_id=reply_to,
-            group_id="1",
-            message_type="train",
-            created_at=time.time(),
-            ttl=60,
-        )
-        return (
-            Message(metadata=meta, error=error)
-            if error is not None
-            else Message(metadata=meta, content=content)
-        )
 
     class FakeGrid:
         def __init__(self):
@@ -140,7 +158,304 @@ def test_pyproject_declares_the_flower_app():
 
     tool = tomllib.loads((APP / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
     assert tool["components"] == {"serverapp": "fedsim.server_app:app", "clientapp": "fedsim.client_app:app"}
-    assert set(tool["config"]) == {"overrides", "out-dir"}  # only declared keys may be overridden by flwr run
+    # only declared keys may be overridden by flwr run
+    assert set(tool["config"]) == {"overrides", "out-dir", "nodes"}
+
+
+# ---- nodes bound to partitions -------------------------------------------------------------------------
+
+
+def _pem(pub: Path) -> bytes:
+    """The public key in ``pub`` (OpenSSH) as the SuperLink stores it (PEM SubjectPublicKeyInfo)."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_ssh_public_key(pub.read_bytes())
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def test_binding_file_names_nodes_by_key_key_file_or_name(tmp_path):
+    from fedsim.deploy.nodes import load_binding
+
+    pubs = [Path(str(make_node_key(tmp_path / f"k{i}")) + ".pub") for i in range(4)]
+    (tmp_path / "nodes.yaml").write_text(
+        f"0: {pubs[0].read_text().strip()}\n"
+        "1: {key_file: k1.pub}\n"  # relative to the file's folder
+        "2: {name: node2}\n"
+        "3: [{key_file: k3.pub}, {name: spare}]\n"
+    )
+    b = load_binding(tmp_path / "nodes.yaml")
+    assert [b.partition_of(_pem(p), "whatever") for p in pubs] == [0, 1, None, 3]
+    assert b.partition_of(b"", "node2") == 2 and b.partition_of(None, "spare") == 3
+    assert b.partition_of(_pem(pubs[2]), "") is None  # node 2 is known by its name only
+    assert binding_from({"nodes": str(tmp_path / "nodes.yaml")}).entries.keys() == {0, 1, 2, 3}
+    assert binding_from({"nodes": ""}) is None
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("0: not-a-key\n", "partition 0: 'not-a-key' is not a public key"),
+        ("x: {name: a}\n", "'x' is not a partition id"),
+        ("-1: {name: a}\n", "-1 is not a partition id"),
+        ("0: {name: a}\n1: {name: a}\n", "name 'a' is listed for partitions 0 and 1"),
+        ("0: {key_file: nope.pub}\n", "cannot read key_file .*nope.pub"),
+        ("0: {colour: blue}\n", "expected a public key"),
+        ("[1, 2]\n", "expected a mapping of partition ids"),
+        ("0: [\n", "not YAML"),
+    ],
+)
+def test_bad_binding_file_is_one_line(tmp_path, text, match):
+    (tmp_path / "nodes.yaml").write_text(text)
+    with pytest.raises(DeployConfigError, match=match) as err:
+        binding_from({"nodes": str(tmp_path / "nodes.yaml")})
+    assert "\n" not in str(err.value) and str(err.value).startswith("fedsim config error: ")
+    with pytest.raises(DeployConfigError, match="cannot read it"):
+        binding_from({"nodes": str(tmp_path / "missing.yaml")})
+
+
+class FakeFleet:
+    """A SuperLink's grid as the ServerApp sees it: registered nodes, each answering the discovery query."""
+
+    def __init__(self, nodes: list[tuple[int, bytes, str, int]]):
+        self.nodes = (
+            nodes  # (node id, PEM public key, name, the partition id it claims), first registered first
+        )
+        self.asked: list[int] = []
+
+    def get_nodes(self):
+        from flwr.proto.node_pb2 import NodeInfo
+
+        return [
+            NodeInfo(node_id=n, public_key=k, name=name, registered_at=f"2026-01-01 00:00:{i:02d}Z")
+            for i, (n, k, name, _) in enumerate(self.nodes)
+        ]
+
+    def get_node_ids(self):
+        return [n for n, *_ in self.nodes]
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.app import MetricRecord, RecordDict
+
+        from fedsim import keys
+
+        claims = {n: pid for n, _, _, pid in self.nodes}
+        out = []
+        for m in messages:
+            dst = int(m.metadata.dst_node_id)
+            self.asked.append(dst)
+            metrics = MetricRecord({keys.PARTITION_ID: claims[dst], keys.NUM_EXAMPLES: 10 + claims[dst]})
+            out.append(message(dst, 0, "q", content=RecordDict({keys.METRICS: metrics}), kind="query"))
+        return list(reversed(out))  # replies come back in any order
+
+
+def _connect(grid, num_clients=3, node_timeout=3.0):
+    """``connect_sizes`` as the server loop calls it."""
+    from strategy_helpers import server_identity
+
+    from fedsim.server import LoopConfig, connect_sizes
+
+    loop = LoopConfig(
+        seed=0, num_clients=num_clients, num_rounds=1, clients_per_round=num_clients, node_timeout=3
+    )
+    with server_identity():
+        return connect_sizes(grid, loop, "{}")
+
+
+def test_unlisted_and_misclaiming_nodes_get_no_work_and_are_counted(tmp_path, caplog):
+    """Bound by key: an unlisted node (registered first, claiming 0) is never asked; a node bound to 1
+    claiming 0 is refused; one warning line each; the honest nodes get the partitions; nodes.json says why."""
+    from fedsim.deploy.nodes import NodeGate, fingerprint, load_binding
+
+    pubs = {n: Path(str(make_node_key(tmp_path / n)) + ".pub") for n in ("a", "b", "c", "x", "s")}
+    (tmp_path / "nodes.yaml").write_text(
+        "0: {key_file: a.pub}\n1: [{key_file: b.pub}, {key_file: s.pub}]\n2: {name: c}\n"
+    )
+    fleet = FakeFleet(
+        [
+            (99, _pem(pubs["x"]), "intruder", 0),
+            (10, _pem(pubs["a"]), "a", 0),
+            (11, _pem(pubs["b"]), "b", 1),
+            (55, _pem(pubs["s"]), "standby", 0),
+            (12, _pem(pubs["c"]), "c", 2),
+        ]
+    )
+    gate = NodeGate(fleet, load_binding(tmp_path / "nodes.yaml"), 3, tmp_path / "run" / "nodes.json")
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        node_of, sizes = _connect(gate)
+    assert node_of == {0: 10, 1: 11, 2: 12} and sizes == {0: 10, 1: 11, 2: 12}
+    assert 99 not in fleet.asked  # the unlisted node was sent nothing at all
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
+    assert "node 99 (name 'intruder'" in warnings[0] and "not listed in" in warnings[0]
+    assert (
+        "node 55" in warnings[1]
+        and "claims partition-id=0 but" in warnings[1]
+        and "partition 1" in warnings[1]
+    )
+    doc = json.loads((tmp_path / "run" / "nodes.json").read_text())
+    assert [(a["node_id"], a["partition_id"]) for a in doc["accepted"]] == [(10, 0), (11, 1), (12, 2)]
+    refused = {r["node_id"]: r for r in doc["refused"]}
+    assert refused.keys() == {99, 55} and refused[55]["partition_claimed"] == 0
+    assert refused[99]["key"] == fingerprint(_canonical(pubs["x"])) and refused[99]["name"] == "intruder"
+
+
+def _canonical(pub: Path) -> bytes:
+    from fedsim.deploy.nodes import canonical_key
+
+    return canonical_key(pub.read_text())
+
+
+def test_without_a_binding_a_duplicate_claim_keeps_the_first_registered(tmp_path, caplog):
+    from fedsim.deploy.nodes import NodeGate
+
+    fleet = FakeFleet([(10, b"", "", 0), (11, b"", "", 1), (77, b"", "", 0), (12, b"", "", 2)])
+    gate = NodeGate(fleet, None, 3, tmp_path / "nodes.json")
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        node_of, _ = _connect(gate)
+    assert node_of == {0: 10, 1: 11, 2: 12}  # the first registered keeps partition 0
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "node 77" in line and "claims partition-id=0, which node 10 holds" in line
+    # the same without any gate (discovery on a plain grid): a warning, not the old RunError
+    fleet = FakeFleet([(10, b"", "", 0), (77, b"", "", 0), (11, b"", "", 1)])
+    assert _connect(fleet, num_clients=2)[0] == {0: 10, 1: 11}
+
+
+def test_a_partition_left_open_by_a_refused_claim_is_an_error_naming_it(tmp_path):
+    from fedsim.deploy.nodes import NodeGate, parse_binding
+    from fedsim.errors import RunError
+
+    pubs = [Path(str(make_node_key(tmp_path / f"k{i}")) + ".pub") for i in range(2)]
+    binding = parse_binding({0: pubs[0].read_text(), 1: pubs[1].read_text()})
+    fleet = FakeFleet(
+        [(10, _pem(pubs[0]), "", 0), (11, _pem(pubs[1]), "", 0)]
+    )  # node 11 claims 0, bound to 1
+    t0 = time.monotonic()
+    with pytest.raises(RunError, match=r"no node answered for partition ids \[1\]"):
+        _connect(NodeGate(fleet, binding, 2), num_clients=2, node_timeout=1)
+    assert time.monotonic() - t0 < 10  # waits node_timeout for another node to take it, then stops
+
+
+# ---- the public front ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method, target, ok",
+    [
+        ("POST", "/v1/fleet/pull-messages", True),
+        ("POST", "/v1/fleet/activate-node", True),
+        ("GET", "/health", True),
+        ("HEAD", "/health", True),
+        ("GET", "/v1/fleet/pull-messages", False),
+        ("POST", "/v1/control/start-run", False),
+        ("POST", "/v1/control/list-runs", False),
+        ("POST", "/v1/control/register-node", False),
+        ("POST", "/v1/runtime/acquire-task", False),
+        ("POST", "/v1/fleet/../control/stop-run", False),
+        ("POST", "/v1/fleet/%2e%2e/control/stop-run", False),
+        ("POST", "/v1/fleet//pull-messages", False),
+        ("POST", "/v1/fleet/pull-messages?x=1", False),
+        ("GET", "/docs", False),
+        ("GET", "/health/", False),
+    ],
+)
+def test_front_forwards_only_the_fleet_api_and_health(method, target, ok):
+    from fedsim.deploy.front import allowed
+
+    assert allowed(method, target) is ok
+
+
+def test_python_front_forwards_fleet_calls_and_refuses_the_rest():
+    """The fallback proxy against a stand-in SuperLink (plain HTTP): bodies and headers pass, others 403."""
+    import http.server
+
+    from fedsim.deploy import front
+
+    seen = []
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append((self.path, body, self.headers.get("flwr-public-key")))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        do_GET = do_POST
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    threading.Thread(
+        target=front.serve, args=("127.0.0.1", port, upstream.server_address[1]), daemon=True
+    ).start()
+
+    def call(path: str, method: str = "POST") -> int:
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", data=b"abc" if method == "POST" else None, method=method
+        )
+        req.add_header("flwr-public-key", "k1")
+        for _ in range(50):
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+            except urllib.error.URLError:
+                time.sleep(0.05)  # not listening yet
+        raise AssertionError("the front never answered")
+
+    try:
+        assert call("/v1/fleet/push-messages") == 200
+        assert seen == [("/v1/fleet/push-messages", b"abc", "k1")]
+        assert [call(p) for p in ("/v1/control/start-run", "/v1/runtime/acquire-task", "/v1/fleet/../x")] == [
+            403
+        ] * 3
+        assert call("/health", "GET") == 200 and len(seen) == 2
+    finally:
+        upstream.shutdown()
+
+
+@pytest.mark.skipif(front_nginx() is None, reason="nginx is not installed")
+def test_nginx_accepts_the_generated_front_configuration(tmp_path):
+    from fedsim.deploy import front
+    from fedsim.deploy.launch import loopback_name
+
+    c = make_certs(tmp_path / "c", nodes=0)
+    name = loopback_name(c / "server.pem")
+    for tls in (None, (c / "server.pem", c / "server.key", c / "ca.crt", name)):
+        conf = tmp_path / "nginx.conf"
+        conf.write_text(front.nginx_conf("127.0.0.1", 9, 10, tmp_path, tmp_path, tls))
+        res = subprocess.run(
+            [front_nginx(), "-t", "-q", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "e.log")],
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0, res.stderr
+    assert name == "localhost"
+
+
+def test_superlink_on_a_public_address_is_warned_about(tmp_path, capsys):
+    from fedsim.deploy.launch import is_loopback, warn_exposed
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5") and not is_loopback("example.org")
+    assert warn_exposed("127.0.0.1") is None
+    Federation(
+        tmp_path / "w", Security(tls=False, auth=False), host="0.0.0.0", front="none", echo=lambda _: None
+    )
+    err = capsys.readouterr().err
+    assert "warning: the SuperLink listens on 0.0.0.0" in err and "Control API" in err
+    hardened = Federation(
+        tmp_path / "w2", Security(tls=False, auth=False), host="0.0.0.0", echo=lambda _: None
+    )
+    assert capsys.readouterr().err == "" and hardened.control_address.startswith("127.0.0.1:")
+    assert (tmp_path / "w2").stat().st_mode & 0o077 == 0  # the workdir holds the SuperExec secret
 
 
 # ---- commands and certificates -------------------------------------------------------------------------
@@ -150,13 +465,21 @@ def test_pyproject_declares_the_flower_app():
 @pytest.mark.slow  # starts Flower's processes
 def test_commands_use_flags_the_installed_flower_has(tmp_path):
     """Every flag fedsim passes exists in this Flower's --help (1.42 changed several)."""
+    from fedsim.deploy.launch import superexec_command
+
     sec = Security(tls=True, auth=True, certs=tmp_path)
-    link = superlink_command("127.0.0.1", 9093, sec)
+    link = superlink_command("127.0.0.1", 9093, sec, secret=tmp_path / "s")
     node = supernode_command("127.0.0.1:9093", 9094, 1, 3, sec, max_wait_time=30)
+    exe = superexec_command("127.0.0.1:9093", sec, tmp_path / "s", parent_pid=1)
     assert "--enable-supernode-auth" in link and "--insecure" not in link
+    assert link[link.index("--isolation") + 1] == "process"
+    assert (
+        link[link.index("--superexec-auth-secret-file") + 1]
+        == exe[exe.index("--superexec-auth-secret-file") + 1]
+    )
     assert node[node.index("--auth-supernode-private-key") + 1] == str(tmp_path / "supernode1")
     assert node[-1] == "partition-id=1 num-partitions=3"
-    for cmd in (link, node):
+    for cmd in (link, node, exe):
         help_text = subprocess.run([cmd[0], "--help"], capture_output=True, text=True, timeout=60).stdout
         for flag in (a for a in cmd if a.startswith("--")):
             assert flag in help_text, f"{cmd[0]} has no {flag}"
@@ -179,8 +502,37 @@ def test_certs_chain_and_node_keys(tmp_path):
     assert (
         pub.startswith("ecdsa-sha2-nistp384 ") and load_ssh_public_key(pub.encode()).curve.name == "secp384r1"
     )
-    assert (out / "supernode1").stat().st_mode & 0o077 == 0  # private keys readable by the owner only
     assert not (out / "supernode2").exists()
+
+
+def test_certs_keep_the_ca_key_apart_and_keys_private(tmp_path):
+    """No CA key next to what the SuperLink host needs; every private key 0600 from its first byte."""
+    from fedsim.deploy.__main__ import main
+    from fedsim.deploy.certs import write_private
+
+    out = make_certs(tmp_path / "c", nodes=1)
+    assert sorted(f.name for f in out.iterdir()) == [
+        "ca.crt",
+        "server.key",
+        "server.pem",
+        "supernode0",
+        "supernode0.pub",
+    ]
+    assert out.stat().st_mode & 0o077 == 0
+    for f in ("server.key", "supernode0"):
+        assert (out / f).stat().st_mode & 0o777 == 0o600
+    with pytest.raises(ValueError, match="lies inside"):
+        make_certs(tmp_path / "c", nodes=0, ca_key=tmp_path / "c" / "sub" / "ca.key")
+    assert (
+        main(["certs", str(tmp_path / "d"), "--nodes", "0", "--ca-key", str(tmp_path / "offline" / "ca.key")])
+        == 0
+    )
+    assert not (tmp_path / "d" / "ca.key").exists()
+    assert (tmp_path / "offline" / "ca.key").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "loose").write_text("x")
+    os.chmod(tmp_path / "loose", 0o644)
+    write_private(tmp_path / "loose", b"secret")
+    assert (tmp_path / "loose").stat().st_mode & 0o777 == 0o600
 
 
 # ---- bad input: one clear error each, nothing hangs ----------------------------------------------------
@@ -253,7 +605,11 @@ def test_supernode_subcommand_exits_with_the_error(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory):
-    """SuperLink (TLS + node auth) and SuperNodes 0, 1, 2 (node 2 with its own data-dir), all online."""
+    """The hardened federation with SuperNodes 0, 1, 2 (node 2 with its own data-dir) and two that get no work.
+
+    ``intruder``: registered, not in the binding, claims partition 0. ``standby``: bound to partition 1 (a
+    second key for it), claims partition 0. All five online.
+    """
     root = tmp_path_factory.mktemp("deploy")
     certs = make_certs(root / "certs", nodes=N)
     ds = build.build_dataset(json.loads(build.client_spec(compose_cfg(*TINY), device="cpu")))
@@ -263,13 +619,19 @@ def fed(tmp_path_factory):
     )
     f = Federation(root / "work", Security(tls=True, auth=True, certs=certs), cwd=root, echo=lambda _: None)
     f.root = root
+    f.outsiders = {}  # name -> node id of the nodes that must get no work
     try:
         f.start_superlink(timeout=120)
         for i in range(N):
             f.register(i)
+        for name, bound in (("intruder", None), ("standby", 1)):
+            key = make_node_key(root / name / "key")
+            f.outsiders[name] = f.register(bound, Path(f"{key}.pub"), name=name)
         for i in range(N):
             f.start_supernode(i, N, data_dir=str(root / "node2-data") if i == 2 else None)
-        f.wait_nodes_online(N, timeout=180)
+        for name in f.outsiders:
+            f.start_supernode(0, N, key=root / name / "key", name=name)
+        f.wait_nodes_online(N + len(f.outsiders), timeout=180)
         yield f
     finally:
         f.stop()
@@ -314,7 +676,7 @@ def test_unregistered_key_is_refused(fed):
     code = fed.wait_exit("stranger", timeout=120)
     log = fed.log_tail("stranger", 40)
     assert code != 0 and "Failed to activate SuperNode" in log, log
-    assert len(_online(fed)) == N
+    assert len(_online(fed)) == N + len(fed.outsiders)
 
 
 def _expected_examples(overrides: list[str]) -> dict[int, int]:
@@ -326,7 +688,7 @@ def _expected_examples(overrides: list[str]) -> dict[int, int]:
 
 
 def _check_replies(
-    fed: Federation, out: Path, overrides: list[str], lost_node: int | None = None
+    fed: Federation, out: Path, overrides: list[str], lost_node: int | None = None, bound: bool = True
 ) -> list[dict]:
     """Every reply came from the node whose registered key belongs to its partition, with that partition's data.
 
@@ -338,11 +700,31 @@ def _check_replies(
     assert len(errors) <= (lost_node is not None) and all(r["node_id"] == lost_node for r in errors), errors
     train = [r for r in train if not r["error"]]
     assert train
-    for r in _replies(out, "query") + train:
+    outsiders = getattr(fed, "outsiders", {})
+    queries = _replies(out, "query")
+    if (
+        bound
+    ):  # only a node bound to a partition is asked which one it serves (the standby is, and is refused)
+        assert outsiders.get("intruder") not in {r["node_id"] for r in queries}
+    for r in [q for q in queries if q["node_id"] not in outsiders.values()] + train:
         assert r["node_id"] == fed.node_ids[r["partition_id"]]
     expected = _expected_examples(overrides)
     assert all(r["num_examples"] == expected[r["partition_id"]] for r in train)
     return train
+
+
+def _check_outsiders_refused(fed: Federation, out: Path) -> None:
+    """nodes.json: the honest nodes accepted for their partitions; the intruder and the standby refused."""
+    doc = json.loads((out / "nodes.json").read_text())
+    assert {a["node_id"]: a["partition_id"] for a in doc["accepted"]} == {
+        v: k for k, v in fed.node_ids.items()
+    }
+    refused = {r["node_id"]: r for r in doc["refused"]}
+    assert refused.keys() == set(fed.outsiders.values()), refused
+    assert "not listed in" in refused[fed.outsiders["intruder"]]["reason"]
+    standby = refused[fed.outsiders["standby"]]
+    assert standby["partition_claimed"] == 0 and "binds it to partition 1" in standby["reason"]
+    assert all(r["name"] in fed.outsiders and r["key"].startswith("SHA256:") for r in doc["refused"])
 
 
 @needs_flower
@@ -362,8 +744,136 @@ def test_fedbuff_in_wall_clock_arrival_order(fed):
     assert summary["status"] == "completed" and summary["engine"] == "deployment"
     train = _check_replies(fed, out, overrides)
     assert len(train) >= 4 and {r["partition_id"] for r in train} == {0, 1, 2}
+    _check_outsiders_refused(fed, out)
     times = [r["time"] for r in train]
     assert times == sorted(times)
+
+
+STRANGER_CLIENT = """
+from pathlib import Path
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+app = ClientApp()
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    Path(MARKERS, f"client-{context.node_id}").write_text("foreign code ran")
+    return Message(RecordDict({"metrics": MetricRecord({"ok": 1})}), reply_to=msg)
+"""
+STRANGER_SERVER = """
+from pathlib import Path
+from flwr.app import Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    Path(MARKERS, "server").write_text("foreign code ran")
+    nodes = list(grid.get_node_ids())
+    grid.send_and_receive([Message(RecordDict(), n, "query") for n in nodes], timeout=60)
+"""
+
+
+def _stranger_app(folder: Path, markers: Path) -> Path:
+    """A Flower App whose ServerApp and ClientApp leave marker files where they run."""
+    pkg = folder / "strangerapp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    for mod, src in (("client", STRANGER_CLIENT), ("server", STRANGER_SERVER)):
+        (pkg / f"{mod}.py").write_text(f"MARKERS = {str(markers)!r}\n" + src)
+    (folder / "pyproject.toml").write_text(
+        '[project]\nname = "strangerapp"\nversion = "1.0.0"\ndescription = "x"\nlicense = "Apache-2.0"\n'
+        'dependencies = ["flwr"]\n\n[tool.flwr.app]\npublisher = "stranger"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "strangerapp.server:app"\nclientapp = "strangerapp.client:app"\n'
+    )
+    return folder
+
+
+def _acquire_task(address: str, ca: Path) -> int:
+    """HTTP status of one Runtime API ``acquire-task`` call, as a stranger's SuperExec would make it."""
+    import httpx
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+
+    body = AcquireTaskRequest(supported_task_types=[t.value for t in TaskType]).SerializeToString()
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=10) as c:
+        r = c.post(
+            f"https://{address}/v1/runtime/acquire-task",
+            content=body,
+            headers={"content-type": "application/protobuf"},
+        )
+    return r.status_code
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_stranger_with_only_the_ca_certificate_cannot_use_the_public_port(fed, tmp_path):
+    """From a fresh Flower home holding only ca.crt: no listing, stopping, submitting or registering through
+    the public port, no task taken from the Runtime API; nothing of the stranger's runs anywhere."""
+    from fedsim.deploy.launch import CONNECTION, connection_toml
+
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copy(fed.sec.ca, home / "ca.crt")
+    (home / "config.toml").write_text(
+        connection_toml(fed.address, Security(tls=True, auth=False, certs=home), name="s")
+    )
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    app = _stranger_app(tmp_path / "app", markers)
+    key = make_node_key(home / "mykey")
+    runs = fed.flwr("ls", CONNECTION)["runs"]
+    victim = runs[0]["run-id"] if runs else "1"
+    probes = {
+        "ls": ["ls", "s"],
+        "supernode list": ["supernode", "list", "s"],
+        "stop": ["stop", str(victim), "s"],
+        "run": ["run", str(app), "s"],
+        "supernode register": ["supernode", "register", f"{key}.pub", "s", "--name", "intruder2"],
+    }
+    env = {**fed.env, "FLWR_HOME": str(home)}
+    procs = {
+        k: subprocess.Popen(
+            ["flwr", *a, "--format", "json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for k, a in probes.items()
+    }
+    outs = {k: p.communicate(timeout=120)[0] for k, p in procs.items()}
+    for k, out in outs.items():
+        assert '"success": true' not in out and "403 Forbidden" in out, (k, out[-500:])
+    assert _acquire_task(fed.address, fed.sec.ca) == 403  # the front
+    assert _acquire_task(fed.control_address, fed.sec.ca) == 401  # the SuperLink itself: the SuperExec secret
+    # nothing of the stranger reached the SuperLink, and no foreign code ran anywhere
+    assert all(r["fab-id"] == "fedsim/fedsim" for r in fed.flwr("ls", CONNECTION)["runs"])
+    assert all(r["status"] != "finished:stopped" for r in fed.flwr("ls", CONNECTION)["runs"])
+    assert "intruder2" not in json.dumps(fed.nodes())
+    assert list(markers.iterdir()) == []  # the run was never created, so nothing was queued for any node
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_deployed_run_without_a_binding_survives_a_duplicate_claim(fed):
+    """No ``nodes=``: the intruder and the standby both claim partition 0, which node 0 (registered first)
+    holds: one warning line each, no traceback, and the run completes with the honest nodes only."""
+    overrides = [*TINY, "num_rounds=1", "round_timeout=120"]
+    out = fed.root / "unbound"
+    run_id = fed.submit(APP, {"overrides": shlex.join(overrides), "out-dir": str(out), "nodes": ""})
+    _finish(fed, run_id, out)
+    log = fed.run_log(run_id)
+    claims = [ln for ln in log.splitlines() if "refused, it gets no work" in ln]
+    assert len(claims) == 2 and all(f"which node {fed.node_ids[0]} holds" in ln for ln in claims), log[-3000:]
+    assert "Traceback" not in log and "no node binding" in log
+    _check_replies(fed, out, overrides, bound=False)
+    refused = {r["node_id"] for r in json.loads((out / "nodes.json").read_text())["refused"]}
+    assert refused == set(fed.outsiders.values())
 
 
 @needs_flower
@@ -395,6 +905,7 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
 
     train = _check_replies(fed, out, overrides, lost_node=fed.node_ids[2])
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
+    _check_outsiders_refused(fed, out)
 
 
 @pytest.mark.slow  # starts Flower's processes

@@ -1,11 +1,14 @@
 """Launch helpers for deploying fedsim's ServerApp and ClientApp on a Flower SuperLink with SuperNodes.
 
-``python -m fedsim.deploy certs DIR``      test CA, SuperLink certificate, SuperNode key pairs
-``python -m fedsim.deploy local --nodes N``  SuperLink + N SuperNodes + ``flwr run`` on this machine
+``python -m fedsim.deploy certs DIR``      test CA certificate, SuperLink certificate, SuperNode key pairs
+``python -m fedsim.deploy local --nodes N``  the server side + N SuperNodes + ``flwr run`` on this machine
+``python -m fedsim.deploy superlink ...``  the server side: SuperLink on 127.0.0.1, SuperExec, public front
 ``python -m fedsim.deploy supernode ...``  check one node's settings, then start it (multi-host)
-``python -m fedsim.deploy stop``           stop what ``local --keep`` left running
+``python -m fedsim.deploy stop``           stop what ``local --keep`` or ``superlink --detach`` left running
 
-See docs/deploy.md for the same steps across machines.
+The server side is hardened (``fedsim.deploy.launch``, ``fedsim.deploy.front``) and runs bind nodes to
+partitions by their registered keys (``fedsim.deploy.nodes``). See docs/deploy.md for the same steps across
+machines and the threat model.
 """
 
 from fedsim.deploy.certs import make_certs, make_node_key
@@ -15,8 +18,10 @@ from fedsim.deploy.launch import (
     Security,
     check_node,
     free_port,
+    is_loopback,
     node_config,
     stop_from_pidfile,
+    superexec_command,
     superlink_command,
     supernode_command,
     wait_for_superlink,
@@ -28,10 +33,12 @@ __all__ = [
     "Security",
     "check_node",
     "free_port",
+    "is_loopback",
     "make_certs",
     "make_node_key",
     "node_config",
     "stop_from_pidfile",
+    "superexec_command",
     "superlink_command",
     "supernode_command",
     "wait_for_superlink",

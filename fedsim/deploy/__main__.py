@@ -1,4 +1,4 @@
-"""``python -m fedsim.deploy {certs,local,supernode,stop}``: certificates, a local federation, checked nodes.
+"""``python -m fedsim.deploy {certs,local,superlink,supernode,stop}``: certificates, federations, checked nodes.
 
 Examples::
 
@@ -6,6 +6,7 @@ Examples::
     python -m fedsim.deploy local --nodes 3 --tls --auth --overrides "num_rounds=2"
     python -m fedsim.deploy local --nodes 3 --keep      # leave it running; then:
     python -m fedsim.deploy stop
+    python -m fedsim.deploy superlink --certs certs/ --nodes nodes.yaml --port 9093   # on the server
     python -m fedsim.deploy supernode --superlink server:9093 --root-certificates ca.crt --key supernode0 \\
         --partition-id 0 --num-partitions 3            # on a client machine
 """
@@ -15,13 +16,15 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
 
-from fedsim.deploy.certs import make_certs
+from fedsim.deploy.certs import make_certs, private_folder
 from fedsim.deploy.launch import (
     FLWR_ENV,
+    FRONTS,
     DeployError,
     Federation,
     Security,
@@ -69,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="extra host name or IP for the SuperLink certificate (repeatable)",
     )
+    c.add_argument(
+        "--ca-key",
+        type=Path,
+        help="keep the CA's private key in this file, outside DIR (default: thrown away after signing)",
+    )
 
     loc = sub.add_parser("local", help="run the app on a SuperLink and N SuperNodes on this machine")
     loc.add_argument("--nodes", type=int, default=3, help="number of SuperNodes = partitions (default 3)")
@@ -90,7 +98,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the Flower App folder (default: the fedsim checkout this package runs from, else .)",
     )
-    loc.add_argument("--port", type=int, help="SuperLink port (default: a free one)")
+    loc.add_argument("--port", type=int, help="public port the SuperNodes use (default: a free one)")
+    loc.add_argument(
+        "--host", default="127.0.0.1", help="public address the front listens on (default 127.0.0.1)"
+    )
+    _front_args(loc)
     loc.add_argument(
         "--workdir",
         type=Path,
@@ -101,6 +113,32 @@ def _parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=3600.0, help="seconds to wait for the run (default 3600)"
     )
     loc.add_argument("--keep", action="store_true", help="leave the federation running (stop it with `stop`)")
+
+    sl = sub.add_parser(
+        "superlink",
+        help="start the server side: SuperLink on 127.0.0.1, SuperExec, public front; register the nodes",
+        description="Start a SuperLink on 127.0.0.1, a flower-superexec with a shared secret and a front "
+        "on HOST:PORT that forwards only the SuperNodes' Fleet API; register the public keys listed in "
+        "--nodes; then wait until Ctrl-C/SIGTERM and stop them all (or leave them with --detach).",
+    )
+    sl.add_argument("--certs", type=Path, help="folder with ca.crt, server.pem, server.key (TLS)")
+    sl.add_argument("--insecure", action="store_true", help="no TLS and no node authentication (trials only)")
+    sl.add_argument(
+        "--nodes",
+        type=Path,
+        help="binding file: partition ids -> SuperNode public keys (its keys are registered; pass it to "
+        "runs as nodes=FILE)",
+    )
+    sl.add_argument("--host", default="0.0.0.0", help="public address of the front (default 0.0.0.0)")
+    sl.add_argument("--port", type=int, default=9093, help="public port of the front (default 9093)")
+    sl.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(DEFAULT_WORKDIR) / "superlink",
+        help="logs, pid file, SuperExec secret and the operator's FLWR_HOME",
+    )
+    sl.add_argument("--detach", action="store_true", help="leave it running (stop it with `stop --workdir`)")
+    _front_args(sl)
 
     n = sub.add_parser(
         "supernode",
@@ -130,6 +168,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _front_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--front",
+        choices=FRONTS,
+        default="auto",
+        help="what listens on the public address: nginx, fedsim's Python fallback, or auto (nginx if "
+        "installed); 'none' exposes the SuperLink itself, Control API included (not recommended)",
+    )
+
+
 def default_overrides(nodes: int, overrides: str) -> list[str]:
     """``num_clients`` and ``clients_per_round`` set to the number of nodes, then the user's overrides (which win)."""
     return [f"num_clients={nodes}", f"clients_per_round={nodes}", *shlex.split(overrides)]
@@ -142,7 +190,7 @@ def run_local(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise DeployError(f"--nodes={args.nodes} is not allowed: expected an integer >= 1")
     app = app_folder(args.app)  # before any process starts
-    workdir = args.workdir.resolve()
+    workdir = private_folder(args.workdir.resolve())
     certs = args.certs
     if args.tls and certs is None:
         certs = workdir / "certs"
@@ -156,8 +204,11 @@ def run_local(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir()
     overrides = shlex.join(default_overrides(args.nodes, args.overrides))
     t0 = time.monotonic()
-    with Federation(workdir, sec, port=args.port) as fed:
-        print(f"# SuperLink up after {fed.start_superlink():.1f} s at {fed.address}")
+    with Federation(workdir, sec, host=args.host, port=args.port, front=args.front) as fed:
+        print(
+            f"# SuperLink up after {fed.start_superlink():.1f} s on {fed.control_address}; "
+            f"SuperNodes use {fed.address}"
+        )
         if sec.auth:
             for i in range(args.nodes):
                 fed.register(i)
@@ -177,6 +228,74 @@ def run_local(args: argparse.Namespace) -> int:
                 f"# still running; stop with: python -m fedsim.deploy stop --workdir {shlex.quote(str(workdir))}"
             )
     return 0 if status["status"] == "finished:completed" else 1
+
+
+def run_superlink(args: argparse.Namespace) -> int:
+    """The ``superlink`` subcommand: the hardened server side; returns the exit status."""
+    from fedsim.deploy.nodes import BindingError, load_binding
+
+    if args.insecure == (args.certs is not None):
+        raise DeployError("give either --certs DIR (TLS and node authentication) or --insecure")
+    binding = None
+    if args.nodes is not None:
+        try:
+            binding = load_binding(args.nodes)
+        except BindingError as e:
+            raise DeployError(str(e)) from None
+    sec = Security(
+        tls=not args.insecure, auth=not args.insecure, certs=args.certs.resolve() if args.certs else None
+    )
+    workdir = args.workdir.resolve()
+    fed = Federation(workdir, sec, host=args.host, port=args.port, front=args.front)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        print(
+            f"# SuperLink up after {fed.start_superlink():.1f} s on {fed.control_address}; SuperNodes use {fed.address}"
+        )
+        if binding is not None and sec.auth:
+            keys = fed.workdir / "keys"
+            keys.mkdir(exist_ok=True)
+            for pid, idents in sorted(binding.entries.items()):
+                for k, ident in enumerate(i for i in idents if i.key is not None):
+                    pub = keys / f"partition{pid}-{k}.pub"
+                    pub.write_text(_openssh(ident) + "\n")
+                    fed.register(None, pub, name=f"partition{pid}" + (f"-{k}" if k else ""))
+                named = [i.name for i in idents if i.key is None]
+                if named:
+                    print(
+                        f"# partition {pid}: register the node named {named[0]!r} yourself (its key is not in {args.nodes})"
+                    )
+        nodes = f" nodes='{args.nodes.resolve()}'" if args.nodes else ""
+        print(
+            "# submit runs on this host (or over SSH), from the fedsim checkout:\n"
+            f"FLWR_HOME={shlex.quote(str(fed.flwr_home))} flwr run . fedsim --stream "
+            f"--run-config \"overrides='num_clients=N clients_per_round=N'{nodes}\"",
+            flush=True,
+        )
+        if args.detach:
+            fed.detach()
+            print(f"# running; stop with: python -m fedsim.deploy stop --workdir {shlex.quote(str(workdir))}")
+            return 0
+        print("# Ctrl-C stops it", flush=True)
+        while not stop and all(p.poll() is None for p in fed.procs.values()):
+            time.sleep(0.5)
+        dead = [n for n, p in fed.procs.items() if p.poll() is not None]
+        if dead:
+            print(f"fedsim.deploy: {dead[0]} exited:\n{fed.log_tail(dead[0])}", file=sys.stderr)
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        fed.stop()
+
+
+def _openssh(ident) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_der_public_key(ident.key)
+    return key.public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH).decode()
 
 
 def run_supernode(args: argparse.Namespace) -> int:
@@ -222,12 +341,19 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.cmd == "certs":
-            out = make_certs(args.dir, nodes=args.nodes, hosts=tuple(args.host))
+            try:
+                out = make_certs(args.dir, nodes=args.nodes, hosts=tuple(args.host), ca_key=args.ca_key)
+            except ValueError as e:
+                raise DeployError(str(e)) from None
             for f in sorted(out.iterdir()):
                 print(f)
+            if args.ca_key:
+                print(f"{args.ca_key.resolve()}  (the CA key: keep it offline, never on the SuperLink host)")
             return 0
         if args.cmd == "local":
             return run_local(args)
+        if args.cmd == "superlink":
+            return run_superlink(args)
         if args.cmd == "supernode":
             return run_supernode(args)
         stopped = stop_from_pidfile(args.workdir)

@@ -2,14 +2,20 @@
 
 ``make_certs(folder, nodes=3)`` writes::
 
-    folder/ca.crt, ca.key            a self-signed test CA (10 years)
+    folder/ca.crt                    a self-signed test CA's certificate (10 years): public
     folder/server.pem, server.key    the SuperLink's certificate, signed by the CA, SAN localhost/127.0.0.1/::1
-                                     (plus any ``hosts`` given)
+                                     (plus any ``hosts`` given), and its key
     folder/supernode{i}, .pub        SuperNode i's ECDSA P-384 key pair (OpenSSH format, like
                                      ``ssh-keygen -t ecdsa -b 384 -N ""``)
 
+The CA's private key signs the server certificate and is then thrown away, unless ``ca_key`` names a file
+for it, which must lie outside ``folder``: nothing the SuperLink host needs sits next to it. Every private key
+is created readable by its owner only (mode 0600, set before any byte is written), and a folder this module
+creates is mode 0700.
+
 These are for tests and trials. For real deployments use a certificate from your organisation's CA (or a
-public one) whose SAN names the SuperLink's host name, and generate each SuperNode's key on its own machine.
+public one) whose SAN names the SuperLink's host name (and 127.0.0.1, where fedsim's SuperLink listens behind
+its front), and generate each SuperNode's key on its own machine.
 """
 
 from __future__ import annotations
@@ -44,9 +50,27 @@ def _san(hosts: tuple[str, ...]) -> x509.SubjectAlternativeName:
     return x509.SubjectAlternativeName(names)
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    os.chmod(path, 0o600)
+def write_private(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` readable and writable by its owner only (mode 0600 before any byte lands)."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    return path
+
+
+def private_folder(path: str | Path) -> Path:
+    """Create ``path`` (and parents) with mode 0700 if it does not exist; return it."""
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700)
+    return path
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -93,24 +117,44 @@ def _cert(
     return b.sign(signer, hashes.SHA256())
 
 
-def make_certs(folder: str | Path, nodes: int = 3, hosts: tuple[str, ...] = (), days: int = 3650) -> Path:
-    """Write a test CA, a SuperLink certificate and ``nodes`` SuperNode key pairs into ``folder``.
+def make_certs(
+    folder: str | Path,
+    nodes: int = 3,
+    hosts: tuple[str, ...] = (),
+    days: int = 3650,
+    ca_key: str | Path | None = None,
+) -> Path:
+    """Write a test CA certificate, a SuperLink certificate and ``nodes`` SuperNode key pairs into ``folder``.
 
     ``hosts`` adds host names or IP addresses to the server certificate's SAN (for a SuperLink reached by
-    another name than localhost). Returns ``folder``.
+    another name than localhost). The CA's private key is kept only if ``ca_key`` names a file outside
+    ``folder`` (to sign more certificates later). Returns ``folder``.
     """
     if nodes < 0:
         raise ValueError(f"nodes={nodes} is not allowed: expected an integer >= 0")
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
-    ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_cert = _cert("fedsim test CA", None, ca_key, ca_key, days, ca=True)
-    _write_private(out / CA_KEY, _pem_key(ca_key))
+    out = private_folder(folder)
+    if ca_key is not None:
+        ca_key = Path(ca_key).expanduser().resolve()
+        if ca_key.parent == out.resolve() or out.resolve() in ca_key.parents:
+            raise ValueError(
+                f"ca_key={str(ca_key)!r} lies inside {str(out)!r}, the folder whose files go to the SuperLink "
+                "host and the nodes: keep the CA key elsewhere (ideally offline)"
+            )
+    signing_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = _cert("fedsim test CA", None, signing_key, signing_key, days, ca=True)
+    if ca_key is not None:
+        private_folder(ca_key.parent)
+        write_private(ca_key, _pem_key(signing_key))
+    stale = out / CA_KEY  # written here by earlier fedsim versions
+    if stale.exists():
+        stale.unlink()
     (out / CA_CERT).write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     srv_key = ec.generate_private_key(ec.SECP384R1())
     all_hosts = tuple(dict.fromkeys((*DEFAULT_HOSTS, *hosts)))
-    srv_cert = _cert("fedsim superlink", ca_cert.subject, srv_key, ca_key, days, ca=False, hosts=all_hosts)
-    _write_private(out / SERVER_KEY, _pem_key(srv_key))
+    srv_cert = _cert(
+        "fedsim superlink", ca_cert.subject, srv_key, signing_key, days, ca=False, hosts=all_hosts
+    )
+    write_private(out / SERVER_KEY, _pem_key(srv_key))
     (out / SERVER_CERT).write_bytes(srv_cert.public_bytes(serialization.Encoding.PEM))
     for i in range(nodes):
         make_node_key(out / node_key_name(i), comment=f"fedsim-{node_key_name(i)}")
@@ -120,9 +164,10 @@ def make_certs(folder: str | Path, nodes: int = 3, hosts: tuple[str, ...] = (), 
 def make_node_key(path: str | Path, comment: str = "") -> Path:
     """Write one SuperNode ECDSA P-384 key pair: ``path`` (private, OpenSSH) and ``path.pub``; return ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.exists():
+        private_folder(path.parent)
     key = ec.generate_private_key(ec.SECP384R1())
-    _write_private(
+    write_private(
         path,
         key.private_bytes(
             serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()

@@ -2,16 +2,24 @@
 
 ``Federation`` prints every command it runs (copy them to run the same federation across machines), waits
 for readiness by polling (the SuperLink's ``/health`` route, ``flwr supernode list``, ``flwr ls``), never by
-fixed sleeps, and stops every process it started by its pid: SuperNodes first, then the SuperLink, each with
-its process group and the helper processes Flower spawns (``flower-superexec``, ``flwr-serverapp``,
+fixed sleeps, and stops every process it started by its pid: SuperNodes first, then the front, the SuperExec
+and the SuperLink, each with its process group and the helper processes Flower spawns (``flwr-serverapp``,
 ``flwr-clientapp``).
+
+The server side is hardened by default (docs/deploy.md, "Security"): the SuperLink listens on 127.0.0.1 only,
+a front (nginx, else fedsim's Python fallback, ``fedsim.deploy.front``) forwards the SuperNodes' Fleet API from
+the public address and refuses everything else, and ServerApps are launched by a separately started
+``flower-superexec`` that proves a shared secret (``--isolation process``), so nobody else can take the
+SuperLink's tasks from its Runtime API. The ``flwr`` CLI (runs, node registration) talks to the loopback port.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -26,15 +34,46 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedsim.config import FLOWER_ENV
-from fedsim.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, node_key_name
+from fedsim.deploy import front as front_mod
+from fedsim.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, node_key_name, write_private
 
 FLWR_ENV = FLOWER_ENV  # every Flower process the helper starts gets these (see fedsim.config)
 CONNECTION = "fedsim"  # name of the SuperLink connection written to $FLWR_HOME/config.toml
 FINISHED = "finished"
+FRONTS = ("auto", "nginx", "python", "none")  # what stands on the public address (see fedsim.deploy.front)
+SECRET_FILE = "superexec.secret"  # in the workdir: the SuperLink's and SuperExec's shared secret
+BINDING_FILE = "nodes.yaml"  # in the workdir: partition ids bound to the registered node keys
+SERVER_SIDE = ("front", "superexec", "superlink")  # stopped last, in this order
 
 
 class DeployError(RuntimeError):
     """A deployment step failed; the message says which and what to check."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or address) only reaches this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_exposed(host: str, echo: Callable[[str], None] | None = None) -> str | None:
+    """The warning for a SuperLink bound to a non-loopback ``host`` (None when it is loopback)."""
+    if is_loopback(host):
+        return None
+    msg = (
+        f"fedsim.deploy: warning: the SuperLink listens on {host}: its one port also serves the Control API "
+        "(anyone who reaches it can list, submit and stop runs and register nodes: Flower's open-source "
+        "SuperLink has no login for it) and the Runtime API. Keep it on 127.0.0.1 behind the front "
+        "(--front auto, the default); see docs/deploy.md, 'Security'."
+    )
+    print(msg, file=sys.stderr, flush=True)
+    if echo is not None and echo is not print:
+        echo(msg)
+    return msg
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -91,8 +130,12 @@ class Security:
                 )
 
 
-def superlink_command(host: str, port: int, sec: Security) -> list[str]:
-    """``flower-superlink`` for one port (Fleet, Control and Runtime APIs share it in Flower 1.42)."""
+def superlink_command(host: str, port: int, sec: Security, secret: Path | None = None) -> list[str]:
+    """``flower-superlink`` for one port (Fleet, Control and Runtime APIs share it in Flower 1.42).
+
+    With ``secret`` (a file), ServerApps are left to a separately started ``flower-superexec`` that proves
+    the same secret (``--isolation process``): nobody else can take the SuperLink's tasks.
+    """
     cmd = ["flower-superlink"]
     if sec.tls:
         c = Path(sec.certs)
@@ -108,7 +151,49 @@ def superlink_command(host: str, port: int, sec: Security) -> list[str]:
         cmd += ["--insecure"]
     if sec.auth:
         cmd += ["--enable-supernode-auth"]
+    if secret is not None:
+        cmd += ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
     return cmd + ["--disable-runtime-dependency-installation", "--host", host, "--port", str(port)]
+
+
+def superexec_command(
+    runtime_address: str, sec: Security, secret: Path, parent_pid: int | None = None
+) -> list[str]:
+    """``flower-superexec``: launches the ServerApp of each run, authenticated to the SuperLink by ``secret``."""
+    cmd = ["flower-superexec", "--runtime-api-address", runtime_address]
+    cmd += ["--root-certificates", str(sec.ca)] if sec.tls else ["--insecure"]
+    cmd += ["--superexec-auth-secret-file", str(secret)]
+    return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
+
+
+def write_secret(path: Path) -> Path:
+    """A fresh random SuperExec secret in ``path``, readable by its owner only."""
+    write_private(path, secrets.token_hex(32).encode())
+    return path
+
+
+def loopback_name(cert: Path) -> str:
+    """The name a front checks in the SuperLink's certificate on 127.0.0.1; raise if it does not cover 127.0.0.1.
+
+    Flower's CLI, the SuperExec and the ServerApp reach the SuperLink at 127.0.0.1 and check that the
+    certificate names it; nginx checks a DNS name in it (``localhost`` if present).
+    """
+    from cryptography import x509
+
+    crt = x509.load_pem_x509_certificate(Path(cert).read_bytes())
+    try:
+        san = crt.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        san = None
+    ips = {str(a) for a in san.get_values_for_type(x509.IPAddress)} if san else set()
+    dns = san.get_values_for_type(x509.DNSName) if san else []
+    if "127.0.0.1" not in ips or not dns:
+        raise DeployError(
+            f"{cert}: the SuperLink's certificate must name 127.0.0.1 (IP) and a DNS name in its SAN: the "
+            "SuperLink listens on 127.0.0.1 behind the front and is checked there (fedsim.deploy certs adds "
+            "localhost, 127.0.0.1 and ::1)"
+        )
+    return "localhost" if "localhost" in dns else dns[0]
 
 
 def node_config(partition_id: int, num_partitions: int, data_dir: str | None = None) -> str:
@@ -289,15 +374,23 @@ class Federation:
     Parameters
     ----------
     workdir : Path
-        Holds ``flwr-home/`` (a private ``FLWR_HOME`` with the connection), ``logs/`` and ``pids.json``.
+        Holds ``flwr-home/`` (a private ``FLWR_HOME`` with the connection), ``logs/``, ``pids.json``, the
+        SuperExec secret, the front's configuration and ``nodes.yaml`` (the node binding). Mode 0700.
     sec : Security
         TLS and node-authentication settings.
     host, port : str, int
-        Where the SuperLink listens (one port for all its APIs); ``port=None`` picks a free one.
+        The public address SuperNodes connect to; ``port=None`` picks a free one. With a front, the front
+        listens there and the SuperLink on a free port of 127.0.0.1; with ``front="none"`` the SuperLink itself.
     cwd : Path, optional
-        Working directory of the SuperLink, hence of the ServerApp (relative ``out-dir`` values start there).
+        Working directory of the SuperLink and SuperExec, hence of the ServerApp (relative ``out-dir`` values
+        start there).
     echo : callable
         Receives each command line before it runs (``print`` by default).
+    front : str
+        ``"auto"`` (nginx if installed, else the Python fallback), ``"nginx"``, ``"python"`` or ``"none"``
+        (the SuperLink itself on ``host``: every API public; warned about unless ``host`` is loopback).
+    isolation : bool
+        Start ServerApps through a separately started ``flower-superexec`` that proves a shared secret.
     """
 
     def __init__(
@@ -308,11 +401,24 @@ class Federation:
         port: int | None = None,
         cwd: str | Path | None = None,
         echo: Callable[[str], None] = print,
+        front: str = "auto",
+        isolation: bool = True,
     ) -> None:
-        self.workdir = Path(workdir).resolve()
+        from fedsim.deploy.certs import private_folder
+
+        if front not in FRONTS:
+            raise DeployError(f"front={front!r} is not allowed: expected one of {', '.join(FRONTS)}")
+        self.workdir = private_folder(Path(workdir).resolve())
         self.sec, self.host, self.port = sec, host, port or free_port(host)
         self.cwd = Path(cwd).resolve() if cwd else None
         self.echo = echo
+        if front == "auto":
+            front = "nginx" if front_mod.nginx_binary() else "python"
+            if front == "python":
+                echo("# no nginx found: the public front is fedsim's Python fallback (fedsim.deploy.front)")
+        self.front = front
+        self.isolation = isolation
+        self.internal_port = free_port("127.0.0.1") if front != "none" else self.port
         self.flwr_home = self.workdir / "flwr-home"
         self.logs = self.workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -320,13 +426,22 @@ class Federation:
         self.env = {**os.environ, **FLWR_ENV, "FLWR_HOME": str(self.flwr_home)}
         self.procs: dict[str, subprocess.Popen] = {}
         self.node_ids: dict[int, int] = {}  # partition id -> node id from `flwr supernode register`
+        self.bound_keys: dict[int, list[Path]] = {}  # partition id -> public keys registered for it
         self.stopped: list[int] = []  # every pid ``stop``/``kill`` signalled (to check none is left)
         self._echoed: set[str] = set()
+        if front == "none":
+            warn_exposed(host, echo)
 
     @property
     def address(self) -> str:
+        """The public address: what SuperNodes use in ``--superlink``."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def control_address(self) -> str:
+        """Where the SuperLink itself listens: the ``flwr`` CLI's address (127.0.0.1 behind a front)."""
+        return self.address if self.front == "none" else f"127.0.0.1:{self.internal_port}"
 
     def _echo(self, cmd: Sequence[str], env: bool = False) -> None:
         line = ("$ " + (f"FLWR_HOME={shlex.quote(str(self.flwr_home))} " if env else "")) + shlex.join(cmd)
@@ -362,20 +477,74 @@ class Federation:
 
     # -- SuperLink and the CLI --------------------------------------------------------------------------
     def start_superlink(self, timeout: float = 60.0) -> float:
-        """Start the SuperLink, write the CLI connection, wait until ``/health`` answers; return the wait."""
+        """Start the SuperLink (with its SuperExec and front), write the CLI connection, wait; return the wait.
+
+        Order: the SuperLink on its own port (127.0.0.1 behind a front), until ``/health`` answers there; the
+        SuperExec (``isolation``); the front on the public address, until ``/health`` answers through it.
+        """
         self.sec.check(0)
-        proc = self.spawn("superlink", superlink_command(self.host, self.port, self.sec), cwd=self.cwd)
-        (self.flwr_home / "config.toml").write_text(connection_toml(self.address, self.sec))
-        self.echo(f"# {self.flwr_home / 'config.toml'}:\n" + connection_toml(self.address, self.sec))
-        try:
-            return wait_for_superlink(
-                self.address,
-                timeout,
-                self.sec.ca if self.sec.tls else None,
-                alive=lambda: proc.poll() is None,
+        tls_name = (
+            loopback_name(Path(self.sec.certs) / SERVER_CERT) if self.sec.tls and self.front != "none" else ""
+        )
+        ca = self.sec.ca if self.sec.tls else None
+        t0 = time.monotonic()
+        secret = write_secret(self.workdir / SECRET_FILE) if self.isolation else None
+        bind = self.host if self.front == "none" else "127.0.0.1"
+        proc = self.spawn(
+            "superlink", superlink_command(bind, self.internal_port, self.sec, secret), cwd=self.cwd
+        )
+        (self.flwr_home / "config.toml").write_text(connection_toml(self.control_address, self.sec))
+        self.echo(f"# {self.flwr_home / 'config.toml'}:\n" + connection_toml(self.control_address, self.sec))
+        self._wait_up("superlink", self.control_address, timeout - (time.monotonic() - t0), ca, proc)
+        if secret is not None:
+            self.spawn(
+                "superexec", superexec_command(self.control_address, self.sec, secret, proc.pid), cwd=self.cwd
             )
+        if self.front != "none":
+            front = self.spawn("front", self.front_command(tls_name))
+            self._wait_up("front", self.address, timeout - (time.monotonic() - t0), ca, front)
+        return time.monotonic() - t0
+
+    def _wait_up(self, name: str, address: str, timeout: float, ca: Path | None, proc) -> None:
+        try:
+            wait_for_superlink(address, max(1.0, timeout), ca, alive=lambda: proc.poll() is None)
         except DeployError as e:
-            raise DeployError(f"{e}\n{self.log_tail('superlink')}") from None
+            raise DeployError(f"{name}: {e}\n{self.log_tail(name)}") from None
+
+    def front_command(self, tls_name: str = "") -> list[str]:
+        """The command of the public front (nginx with a generated configuration, or the Python fallback)."""
+        c = Path(self.sec.certs) if self.sec.tls else None
+        if self.front == "python":
+            cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", self.address]
+            cmd += ["--upstream-port", str(self.internal_port)]
+            if c is not None:
+                cmd += [
+                    "--cert",
+                    str(c / SERVER_CERT),
+                    "--key",
+                    str(c / SERVER_KEY),
+                    "--ca",
+                    str(c / CA_CERT),
+                ]
+            return cmd
+        nginx = front_mod.nginx_binary()
+        if nginx is None:
+            raise DeployError("front='nginx' but no nginx executable is installed (apt-get install nginx)")
+        prefix = self.workdir / "front"
+        prefix.mkdir(exist_ok=True)
+        tls = (c / SERVER_CERT, c / SERVER_KEY, c / CA_CERT, tls_name) if c is not None else None
+        conf = prefix / "nginx.conf"
+        conf.write_text(
+            front_mod.nginx_conf(self.host, self.port, self.internal_port, prefix, self.logs, tls)
+        )
+        cmd = [nginx, "-c", str(conf), "-p", str(prefix), "-e", str(self.logs / "front-error.log")]
+        check = subprocess.run([*cmd, "-t", "-q"], capture_output=True, text=True)
+        if check.returncode != 0:
+            raise DeployError(
+                f"nginx refused the front's configuration {conf}: {check.stderr.strip()[-500:]}"
+            )
+        self.echo(f"# {conf}: forwards only POST /v1/fleet/* and GET /health to {self.control_address}")
+        return cmd
 
     def flwr(self, *args: str, timeout: float = 60.0) -> dict:
         """Run ``flwr ARGS --format json`` against the connection; return its JSON (raise on failure)."""
@@ -397,14 +566,38 @@ class Federation:
             raise DeployError(f"`{shlex.join(cmd)}` failed: {msg}")
         return out
 
-    def register(self, partition_id: int, public_key: Path | None = None) -> int:
-        """Register a SuperNode's public key with the SuperLink (before the node connects); return its node id."""
-        key = public_key or self.sec.node_key(partition_id).with_name(
-            self.sec.node_key(partition_id).name + ".pub"
+    def register(
+        self, partition_id: int | None, public_key: Path | None = None, name: str | None = None
+    ) -> int:
+        """Register a SuperNode's public key with the SuperLink (before the node connects); return its node id.
+
+        The key is bound to ``partition_id`` in ``nodes.yaml`` (``binding_file``); ``None`` registers it
+        without binding it (such a node may join but gets no work in a run that uses the binding).
+        """
+        if public_key is None:
+            if partition_id is None:
+                raise DeployError("register(None) needs the public key to register")
+            public_key = self.sec.node_key(partition_id).with_name(
+                self.sec.node_key(partition_id).name + ".pub"
+            )
+        name = name or f"node{partition_id}"
+        node_id = int(
+            self.flwr("supernode", "register", str(public_key), CONNECTION, "--name", name)["node-id"]
         )
-        out = self.flwr("supernode", "register", str(key), CONNECTION, "--name", f"node{partition_id}")
-        self.node_ids[partition_id] = int(out["node-id"])
-        return self.node_ids[partition_id]
+        if partition_id is not None:
+            self.node_ids.setdefault(partition_id, node_id)
+            self.bound_keys.setdefault(partition_id, []).append(Path(public_key))
+        return node_id
+
+    def binding_file(self) -> Path | None:
+        """Write ``nodes.yaml``: each partition bound to the keys registered for it; None when none was."""
+        from fedsim.deploy.nodes import binding_yaml
+
+        if not self.bound_keys:
+            return None
+        path = self.workdir / BINDING_FILE
+        path.write_text(binding_yaml(self.bound_keys))
+        return path
 
     def nodes(self) -> list[dict]:
         """``flwr supernode list``: one dict per node (``node-id``, ``status``, ...)."""
@@ -454,7 +647,12 @@ class Federation:
 
     # -- runs ---------------------------------------------------------------------------------------------
     def submit(self, app_dir: str | Path, run_config: dict[str, str]) -> int:
-        """``flwr run APP`` with ``--run-config`` string values; return the run id."""
+        """``flwr run APP`` with ``--run-config`` string values; return the run id.
+
+        Unless ``run_config`` names ``nodes``, a run gets the binding of the keys registered so far.
+        """
+        if "nodes" not in run_config and (binding := self.binding_file()) is not None:
+            run_config = {**run_config, "nodes": str(binding)}
         rc = " ".join(f"{k}={json.dumps(str(v))}" for k, v in run_config.items())
         args = ["run", str(app_dir), CONNECTION] + (["--run-config", rc] if rc else [])
         return int(self.flwr(*args)["run-id"])
@@ -540,7 +738,7 @@ class Federation:
         """Stop SuperNodes, then the SuperLink, with everything they spawned; reap our children."""
         if not self.procs:
             return
-        order = [n for n in self.procs if n != "superlink"] + [n for n in self.procs if n == "superlink"]
+        order = [n for n in self.procs if n not in SERVER_SIDE] + [n for n in SERVER_SIDE if n in self.procs]
         for name in order:
             proc = self.procs[name]
             pids = [proc.pid, *descendants(proc.pid)]
@@ -567,13 +765,14 @@ class Federation:
 def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
     """Stop the processes a ``Federation`` recorded in ``workdir/pids.json``; return the pids stopped.
 
-    Only pids whose command line still names a Flower program are touched (pids are reused by the OS).
+    Only pids whose command line still names a Flower program, nginx or fedsim's front are touched (pids are
+    reused by the OS).
     """
     pidfile = Path(workdir) / "pids.json"
     if not pidfile.exists():
         raise DeployError(f"no pid file at {pidfile} (nothing started there, or already stopped)")
     pids = json.loads(pidfile.read_text())
-    order = [n for n in pids if n != "superlink"] + [n for n in pids if n == "superlink"]
+    order = [n for n in pids if n not in SERVER_SIDE] + [n for n in SERVER_SIDE if n in pids]
     stopped = []
     for name in order:
         pid = int(pids[name])
@@ -581,7 +780,7 @@ def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             cmdline = "flower" if running(pid) else ""
-        if not running(pid) or "flower" not in cmdline:
+        if not running(pid) or not any(w in cmdline for w in ("flower", "nginx", "fedsim.deploy.front")):
             continue
         terminate([pid, *descendants(pid)], timeout)
         stopped.append(pid)
