@@ -136,9 +136,15 @@ def _inject(task: ClientTask, rnd: int, state: dict[str, torch.Tensor]) -> dict[
 
 @app.evaluate()
 def evaluate_fn(msg: Message, context: Context) -> Message:
-    """Evaluate the received global model on the local validation split."""
+    """Evaluate the model this client would use on its validation split: the global one, made personal by a
+    personalised client algorithm (Ditto's personal model, FedPer's own layers) from the client's state."""
     task = _task(msg, context)
     _load(task, msg.content[keys.ARRAYS])
+    cfg = msg.content[keys.CONFIG]
+    algorithm = task.algorithm or client_algorithm(json.loads(str(cfg[keys.RUN_SPEC])))
+    if algorithm.stateful:  # the state this client saved in round r is version r: read it for round r's eval
+        rnd = int(cfg.get(keys.SERVER_ROUND, 0))
+        algorithm.personalize(task.model, _state_store(context, task.partition_id, rnd + 1).load())
     loss, acc = evaluate(task.model, task.x_val, task.y_val)
     n = int(task.x_val.shape[0])
     metrics = {

@@ -75,6 +75,12 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     spec_json = json.dumps(spec, sort_keys=True)
     clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
     model = build.build_initial_model(spec)
+    check_model = getattr(base.unwrap(strategy), "check_model", None)
+    if callable(check_model):  # e.g. FedPer's personal layers must name parts of this model
+        try:
+            check_model([n for n, _ in model.named_parameters()])
+        except ConfigError as e:
+            raise e.with_prefix("strategy") from None
     # deployed clients and Ray's actors resolve placement.device in their own processes
     remote = deployed or engine.name == "ray"
     client_device = "cpu" if remote else build.resolve_device(placement.device)

@@ -17,6 +17,8 @@ EVAL_ACCURACY = "eval_accuracy"
 FED_EVAL_PREFIX = "fed_"
 FED_EVAL_LOSS = "fed_eval_loss"
 FED_EVAL_ACCURACY = "fed_eval_accuracy"
+PERSONAL_EVAL_ACCURACY = "personal_eval_accuracy"
+PERSONAL_EVAL_ACCURACY_P10 = "personal_eval_accuracy_p10"
 FAILURES = "failures"
 FAILURE_KINDS = "failure_kinds"
 SKIPPED = "skipped"
@@ -49,6 +51,9 @@ FIELDS: dict[str, str] = {
     EVAL_ACCURACY: "the global model's accuracy on the server's test split",
     FED_EVAL_LOSS: "federated evaluation on the cohort's validation splits (`federated_eval=true`)",
     FED_EVAL_ACCURACY: "federated evaluation accuracy (`federated_eval=true`)",
+    PERSONAL_EVAL_ACCURACY: "federated evaluation: mean over the clients of the accuracy of the model each would use "
+    "(its personal one under Ditto or FedPer)",
+    PERSONAL_EVAL_ACCURACY_P10: "federated evaluation: 10th percentile over the clients of that accuracy",
     FAILURES: "replies dropped: errors, timeouts, NaN/Inf, wrong shapes",
     FAILURE_KINDS: "those failures by kind",
     SKIPPED: "true when the round kept the old model (too few valid replies)",

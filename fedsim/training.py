@@ -128,7 +128,7 @@ def train_local(
     if run is None:
         start = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
         run = LocalRun(model, TrainInstruction(spec="", proximal_mu=proximal_mu), cfg, -1, start)
-    run.steps = steps
+    run.steps, run.x, run.y, run.generator = steps, x, y, generator
     params = [p for _, p in run.params]
     opt = make_optimizer(params, cfg)
     algorithm.before_training(run)

@@ -229,3 +229,77 @@ def test_feddyn_matches_the_hand_oracle(tmp_path):
     oracle = _feddyn_oracle(2)
     for k in oracle:
         torch.testing.assert_close(model[k].double(), oracle[k], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- Ditto, FedPer
+LAM = 0.5
+DITTO = ["strategy=ditto", f"strategy.lam={LAM}", *SCAFFOLD[2:]]
+
+
+def _client_data(over):
+    spec = json.loads(build.client_spec(compose_cfg(*over), "cpu"))
+    ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+    x0 = {k: v.detach().double().clone() for k, v in build.build_initial_model(spec).state_dict().items()}
+    data = [
+        (torch.as_tensor(ds.x_train[train[p]]).double().flatten(1), torch.as_tensor(ds.y_train[train[p]]))
+        for p in range(N)
+    ]
+    return x0, data
+
+
+def _gd(w0, xb, yb, steps, extra=lambda k, p: 0.0):
+    w = {k: v.clone().requires_grad_() for k, v in w0.items()}
+    for _ in range(steps):
+        loss = F.cross_entropy(F.linear(xb, w["1.weight"], w["1.bias"]), yb)
+        grads = torch.autograd.grad(loss, list(w.values()))
+        with torch.no_grad():
+            for (k, p), g in zip(w.items(), grads):
+                p -= LR * (g + extra(k, p))
+    return {k: v.detach() for k, v in w.items()}
+
+
+def test_ditto_personal_models_match_the_hand_oracle(tmp_path):
+    run_tiny(tmp_path, *DITTO, "num_rounds=1")
+    x0, data = _client_data(DITTO)
+    for pid, (xb, yb) in enumerate(data):
+        # round 1: v starts at the received global model and is pulled toward it with weight lambda
+        v = _gd(x0, xb, yb, K, extra=lambda k, p: LAM * (p - x0[k]))
+        with np.load(tmp_path / "client_state" / f"{pid}-1.npz") as f:
+            for k in v:
+                np.testing.assert_allclose(f["v/" + k], v[k].numpy(), rtol=1e-4, atol=1e-5)
+    # the global model is FedAvg of plain local GD (example-weighted)
+    ys = [_gd(x0, xb, yb, K) for xb, yb in data]
+    n = np.array([len(yb) for _, yb in data], float)
+    model = torch.load(tmp_path / "model.pt")
+    for k in x0:
+        expect = sum(w * y[k] for w, y in zip(n / n.sum(), ys))
+        torch.testing.assert_close(model[k].double(), expect, rtol=1e-4, atol=1e-5)
+
+
+def test_fedper_keeps_the_head_on_the_clients(tmp_path):
+    over = ["strategy=fedper", "strategy.personal_layers=[1.bias]", *SCAFFOLD[2:]]
+    run_tiny(tmp_path, *over, "num_rounds=2")
+    x0, data = _client_data(over)
+    model = torch.load(tmp_path / "model.pt")
+    torch.testing.assert_close(model["1.bias"].double(), x0["1.bias"])  # the server never moves the head
+    assert not torch.allclose(model["1.weight"].double(), x0["1.weight"])  # the base is trained and averaged
+    heads = []
+    for pid in range(N):
+        with np.load(tmp_path / "client_state" / f"{pid}-2.npz") as f:
+            assert sorted(f.files) == ["head/1.bias"]
+            heads.append(f["head/1.bias"])
+    assert not np.allclose(heads[0], heads[1])  # each client its own head
+
+
+def test_personal_evaluation_reports_mean_and_tenth_percentile(tmp_path):
+    run_tiny(tmp_path, "strategy=ditto", "federated_eval=true", "num_rounds=2")
+    rec = read_metrics(tmp_path)[-1]
+    assert 0 <= rec["personal_eval_accuracy_p10"] <= rec["personal_eval_accuracy"] <= 1
+
+
+def test_personal_layers_that_are_not_in_the_model_are_one_line(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^strategy.personal_layers=\['head'\] is not allowed: .*'head' matches none"
+    ):
+        run_tiny(tmp_path, "strategy=fedper", "strategy.personal_layers=[head]")
+    assert not (tmp_path / "metrics.jsonl").exists()

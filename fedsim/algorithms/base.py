@@ -49,6 +49,9 @@ class LocalRun:
     steps: int = 0  # local steps planned
     done: int = 0  # local steps taken so far
     scratch: dict[str, Any] = field(default_factory=dict)  # the algorithm's own per-task values
+    x: torch.Tensor | None = None  # the client's training data (set by the training loop)
+    y: torch.Tensor | None = None
+    generator: torch.Generator | None = None  # the task's minibatch-order generator (after the main loop)
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:
@@ -107,6 +110,12 @@ class ClientAlgorithm:
             with torch.no_grad():
                 for a, (_, p) in zip(average, run.params):
                     p.copy_(a)
+
+    def personalize(self, model: nn.Module, state: dict[str, np.ndarray]) -> None:
+        """Turn the global model (loaded in ``model``) into the model this client would use, from its state.
+
+        Called before federated evaluation. Default: the global model itself (no personal part).
+        """
 
 
 class LocalSGD(ClientAlgorithm):
