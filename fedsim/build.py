@@ -196,6 +196,17 @@ def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
         parts = fn(ds.y_train, int(spec["num_clients"]), rng, groups=ds.groups)
     except ConfigError as e:
         raise (e if e.key == "num_clients" else e.with_prefix("partitioner")) from None
+    except TypeError as e:  # a partial (`_partial_: true`) gets its keys only when called
+        m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if not m:
+            raise
+        target = str(spec["partitioner"].get("_target_", ""))
+        params = [p for p in _parameters(target) if p not in ("labels", "num_clients", "rng", "groups")]
+        raise ConfigError(
+            f"partitioner.{m.group(1)}",
+            spec["partitioner"].get(m.group(1)),
+            f"a parameter of {target.rsplit('.', 1)[-1]}: {', '.join(params)}",
+        ) from None
     train, val = [], []
     for pid, idx in enumerate(parts):
         t, v = split_train_val(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import run_tiny
 from omegaconf import OmegaConf
 
 from fedsim.data import partition as P
@@ -338,3 +339,10 @@ def test_expected_partitioner_configs_exist():
         "natural",
         "flwr_datasets",
     }
+
+
+def test_a_partitioner_key_it_does_not_take_is_one_line(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^partitioner.alpha=0.1 is not allowed: expected a parameter of shards"
+    ):
+        run_tiny(tmp_path, "partitioner=shards", "+partitioner.alpha=0.1")
