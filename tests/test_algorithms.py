@@ -72,8 +72,10 @@ def test_scaffold_matches_the_hand_oracle(tmp_path):
     assert not torch.allclose(other["1.weight"].double(), oracle["1.weight"], atol=1e-4)
 
 
-def test_scaffold_resume_is_bit_identical_with_the_client_state(tmp_path):
-    over = [*SCAFFOLD[:-1], "client.batch_size=8", "client.local_steps=3", "checkpoint_every=2"]
+@pytest.mark.parametrize("strategy", ["scaffold", "ditto"])
+def test_resume_is_bit_identical_with_the_client_state(tmp_path, strategy):
+    over = [f"strategy={strategy}", *SCAFFOLD[2:-1], "client.batch_size=8", "client.local_steps=3"]
+    over += ["checkpoint_every=2", "federated_eval=true"]
     run_tiny(tmp_path / "full", *over, "num_rounds=4")
     run_tiny(tmp_path / "part", *over, "num_rounds=2")
     run_tiny(tmp_path / "resumed", *over, "num_rounds=4", f"resume={tmp_path / 'part'}")
