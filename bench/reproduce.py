@@ -22,11 +22,9 @@ import sys
 import time
 from pathlib import Path
 
-ENV = {
-    "FLWR_TELEMETRY_ENABLED": "0",
-    "FLWR_DISABLE_UPDATE_CHECK": "1",
-    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-}
+from fedsim.config import FLOWER_ENV
+
+ENV = dict(FLOWER_ENV)
 
 # reproduction -> [(sweep name, fedsim -m arguments)]
 SWEEPS = {

@@ -14,8 +14,8 @@ from typing import Any
 from flwr.app import ArrayRecord
 
 from fedsim import keys
+from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
-from fedsim.strategies.checks import integer, number
 from fedsim.strategies.staleness import staleness_fn
 
 # Keyword arguments fedsim's composition root passes to every strategy; an async strategy has no use for them.

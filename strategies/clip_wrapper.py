@@ -66,6 +66,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
+from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
 from fedsim.strategies import base
 from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
@@ -76,7 +77,6 @@ from fedsim.strategies.aggregate import (
     noise_std,
     subtract,
 )
-from fedsim.strategies.checks import integer, number
 from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy
 
 log = logging.getLogger("fedsim")

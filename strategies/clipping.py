@@ -13,9 +13,9 @@ from __future__ import annotations
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
+from fedsim.checks import number
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
-from fedsim.strategies.checks import number
 from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
 
 

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
+from fedsim.checks import number
 from fedsim.strategies.aggregate import cast_like, is_float
 from fedsim.strategies.async_base import AsyncStrategy
-from fedsim.strategies.checks import number
 from fedsim.strategies.records import to_numpy, to_record
 
 

@@ -9,8 +9,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
+from fedsim.checks import number
 from fedsim.strategies.aggregate import SecondMoment, fedopt_step, is_float
-from fedsim.strategies.checks import number
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import to_numpy
 

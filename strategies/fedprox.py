@@ -9,7 +9,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from fedsim import keys
-from fedsim.strategies.checks import number
+from fedsim.checks import number
 from fedsim.strategies.fedavg import FedAvg
 
 

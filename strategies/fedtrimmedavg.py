@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.checks import integer, number
 from fedsim.strategies.aggregate import trimmed_mean
-from fedsim.strategies.checks import integer, number
 from fedsim.strategies.fedavg import FedAvg
 
 log = logging.getLogger("fedsim")

@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
+from fedsim.checks import integer
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
-from fedsim.strategies.checks import integer
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import to_record
 
