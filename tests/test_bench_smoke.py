@@ -22,6 +22,7 @@ def _rows(out: str) -> dict[tuple[str, str], list[str]]:
     return rows
 
 
+@pytest.mark.slow  # runs a benchmark script in fresh processes
 def test_scale_bench_prints_its_table():
     out = _run(
         str(BENCH / "scale.py"),
@@ -40,6 +41,7 @@ def test_scale_bench_prints_its_table():
     assert "(a) plain torch / inprocess" in out and "(c) fedsim peak memory" in out
 
 
+@pytest.mark.slow  # runs a benchmark script in fresh processes
 def test_default_bench_prints_its_table():
     out = _run(str(BENCH / "bench.py"), "--rounds", "2", "--variants", "vectorized,torch")
     rows = _rows(out)
@@ -47,6 +49,7 @@ def test_default_bench_prints_its_table():
     assert rows[("default", "vectorized")][5] == rows[("default", "torch")][5]
 
 
+@pytest.mark.slow  # runs a benchmark script in fresh processes
 def test_async_vs_sync_bench_runs_the_sweep_and_prints_its_table(tmp_path):
     out = _run(
         str(BENCH / "async_vs_sync.py"),

@@ -272,6 +272,7 @@ def _cnn_runs(tmp_path, device: str, deterministic: bool):
         torch.testing.assert_close(b[k].float().cpu(), a[k].float().cpu(), rtol=tol, atol=tol)
 
 
+@pytest.mark.slow  # two CNN runs
 def test_cnn_engines_agree_within_the_fp32_tolerance(tmp_path):
     _cnn_runs(tmp_path, "cpu", deterministic=False)
 

@@ -17,6 +17,7 @@ from fedsim.config import FLOWER_ENV
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a fedsim subprocess
 def test_fedsim_runs_from_a_folder_holding_its_own_strategies_package(tmp_path):
     # a research project with its own `strategies` package (and a PyPI package of that name could exist too)
     (tmp_path / "strategies").mkdir()

@@ -47,6 +47,7 @@ def started(monkeypatch):
     return procs
 
 
+@pytest.mark.slow  # starts worker processes
 def test_two_workers_give_the_sequential_run(tmp_path, started):
     over = ["num_rounds=3", "faults=mixed"]  # injected errors and NaNs must come back the same way too
     run_tiny(tmp_path / "seq", *over)
@@ -63,6 +64,7 @@ def test_two_workers_give_the_sequential_run(tmp_path, started):
     assert all(p.poll() is not None for p in started), "workers still running after the run"
 
 
+@pytest.mark.slow  # starts worker processes
 def test_workers_leave_ctrl_c_to_the_server(started):
     """Ctrl-C reaches the whole process group: a worker ignores SIGINT (no traceback); the server stops it."""
     import signal
@@ -88,6 +90,7 @@ def test_workers_leave_ctrl_c_to_the_server(started):
     assert all(p.poll() is not None for p in started)
 
 
+@pytest.mark.slow  # starts worker processes
 def test_close_stops_workers_and_is_idempotent(started):
     with pool.PoolGrid(4, workers=2) as grid:
         assert len(grid.worker_pids) == 2 and all(p.poll() is None for p in started)
@@ -96,6 +99,7 @@ def test_close_stops_workers_and_is_idempotent(started):
     assert grid.worker_pids == []
 
 
+@pytest.mark.slow  # starts worker processes
 def test_crash_and_exception_become_error_replies(started):
     grid = pool.PoolGrid(4, workers=2, app_ref="test_pool:crash_app")
     try:
