@@ -36,10 +36,10 @@ from flwr.serverapp import Grid
 from fedsim import checkpoint, keys, schema
 from fedsim.clock import Heterogeneity
 from fedsim.errors import RunError
-from fedsim.grid_utils import screen_replies
+from fedsim.grid_utils import diverged_message, nonfinite_arrays, screen_replies
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.server import Workload, connect_sizes, failure_fields, record_initial
+from fedsim.server import Workload, connect_sizes, evaluate_finite, failure_fields, record_initial
 from fedsim.state import LoopConfig, RunState
 
 log = logging.getLogger("fedsim")
@@ -98,8 +98,12 @@ class _Snapshot:
     def __init__(self, run: AsyncLoop) -> None:
         self.run = run
 
+    def to_plain(self) -> dict:
+        """What a checkpoint keeps: ``AsyncLoop.snapshot()`` now."""
+        return self.run.snapshot()
+
     def __reduce__(self):
-        return (dict, (self.run.snapshot(),))
+        return (dict, (self.to_plain(),))
 
 
 class _Frozen:
@@ -108,8 +112,12 @@ class _Frozen:
     def __init__(self, parts: dict) -> None:
         self.parts = parts
 
+    def to_plain(self) -> dict:
+        """What a checkpoint keeps: ``snapshot()`` as it was when the parts were taken."""
+        return _to_state_dicts(self.parts)
+
     def __reduce__(self):
-        return (dict, (_to_state_dicts(self.parts),))
+        return (dict, (self.to_plain(),))
 
 
 def train_message(
@@ -195,7 +203,7 @@ class AsyncLoop:
             msg = train_message(arrays, self.spec, version, task, self.node_of[pid], self._train_config())
             ids = list(self.grid.push_messages([msg]))
             if not ids:
-                raise RuntimeError(f"the grid refused a train message for partition {pid}")
+                raise RunError(f"the grid refused a train message for partition {pid}")
             t.msg_id = ids[0]
         heapq.heappush(self.inflight, (t.finish, t.task, t))
 
@@ -291,6 +299,9 @@ class AsyncLoop:
         )
         if new is None:
             return False
+        bad = nonfinite_arrays(new)
+        if bad:
+            raise RunError(diverged_message(self.state.round + 1, bad, "version"))
         self.state.arrays = new
         self.state.round += 1
         self.models.setdefault(self.state.round, new)
@@ -412,7 +423,8 @@ def run_async(
             run.forget_unused_models()
             record = run.record(wall_start)
             if state.round % loop.eval_every == 0 or state.round == loop.num_rounds:
-                record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = evaluate_fn(state.arrays)
+                loss_acc = evaluate_finite(evaluate_fn, state, state.round, "version")
+                record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = loss_acc
             state.async_loop = _Snapshot(run)
             on_round(record, state)
             if state.round < loop.num_rounds and not state.stop_reason:

@@ -3,12 +3,24 @@
 ``fedsim key=value ...`` runs one experiment; ``fedsim -m a=1,2 b=x,y`` sweeps (Hydra multirun) and writes
 ``sweep_summary.csv`` and ``sweep.png`` into the sweep folder. A bad config value stops the run before any
 training with one line naming the key, the value and what is allowed, and exit status 2.
+
+Exit status: 0 completed (or stopped early on purpose), 1 failed (one line ``fedsim: run failed: ...``; in a
+sweep: any job failed), 2 config error, 128 + N interrupted by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP)
+with the outputs written.
+
+Before Hydra writes anything (``.hydra/``, the log file), :func:`main` settles the run folder: it takes the
+folder's lock (a second live run aimed at the same folder is refused with one line and exit 2, touching nothing),
+gives a timestamped default folder that already exists a ``-1``, ``-2``, ... suffix (two runs started in the same
+second get their own folders), and checks a ``resume`` against its checkpoint.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
+import re
+import signal
 import sys
 from pathlib import Path
 
@@ -17,13 +29,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fedsim.config import flower_env
-from fedsim.errors import ConfigError, RunError
+from fedsim.config import compose, flower_env
+from fedsim.errors import ConfigError, Interrupted, RunError
 
 flower_env()
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
 EXIT_CONFIG = 2
+EXIT_STATUS = 0  # set by the task: 128 + N for a run interrupted by signal N
 
 
 def quiet_loggers() -> None:
@@ -36,6 +49,7 @@ def quiet_loggers() -> None:
 
 
 def _task(cfg: DictConfig) -> dict | None:
+    global EXIT_STATUS
     from fedsim.run import run_experiment
 
     hc = HydraConfig.get()
@@ -46,10 +60,11 @@ def _task(cfg: DictConfig) -> dict | None:
         for name in ("summary.json", "error.txt"):
             (Path(hc.runtime.output_dir) / name).unlink(missing_ok=True)
     try:
-        return run_experiment(cfg, hc.runtime.output_dir, choices)
+        summary = run_experiment(cfg, hc.runtime.output_dir, choices)
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
         if not multirun:
+            undo_hydra_files()
             sys.exit(EXIT_CONFIG)
         _record_failure(Path(hc.runtime.output_dir), f"config error: {e}")
     except RunError as e:
@@ -62,7 +77,28 @@ def _task(cfg: DictConfig) -> dict | None:
             raise
         logging.getLogger("fedsim").exception("run %s failed", hc.job.num)
         _record_failure(Path(hc.runtime.output_dir), f"{type(e).__name__}: {e}")
+    else:
+        if summary.get("status") == "interrupted":
+            signum = _signal_number(summary.get("signal"))
+            print(
+                f"fedsim: interrupted by {signal.Signals(signum).name}: the outputs of the "
+                f"{summary.get('rounds_done', 0)} rounds done are in {hc.runtime.output_dir} "
+                f"(resume=PATH continues)",
+                file=sys.stderr,
+                flush=True,
+            )
+            EXIT_STATUS = 128 + signum
+            if multirun:  # stop the sweep: the jobs after this one do not start
+                raise Interrupted(signum)
+        return summary
     return None
+
+
+def _signal_number(name: str | None) -> int:
+    try:
+        return int(signal.Signals[name]) if name else int(signal.SIGINT)
+    except KeyError:
+        return int(signal.SIGINT)
 
 
 FAILED_JOBS: list[str] = []
@@ -72,7 +108,7 @@ def _record_failure(out_dir: Path, message: str) -> None:
     """In a sweep, a failed job leaves error.txt and a summary.json saying so; the other jobs go on."""
     import json
 
-    FAILED_JOBS.append(str(out_dir))
+    FAILED_JOBS.append(str(out_dir.resolve()))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "error.txt").write_text(message + "\n")
     summary = out_dir / "summary.json"  # this job's own (removed at its start), with the rounds it did
@@ -298,19 +334,191 @@ def _unknown_key(argv: list[str]) -> str | None:
     return None
 
 
+def null_group(argv: list[str]) -> str | None:
+    """A message for ``group=null`` on a group that every run needs (Hydra would fail with a traceback)."""
+    from importlib.resources import files
+
+    conf = files("fedsim.conf")
+    needed = {p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith("_")} - {"experiment"}
+    for a in argv:
+        key, sep, value = a.lstrip("+").partition("=")
+        if sep and key in needed and any(v.strip() in ("null", "None", "~") for v in value.split(",")):
+            options = sorted(
+                f.name.rsplit(".", 1)[0] for f in (conf / key).iterdir() if f.name.endswith(".yaml")
+            )
+            return f"{key}=null is not allowed: expected one of {', '.join(options)}"
+    return None
+
+
+_PLAIN_PATH = re.compile(r"^[A-Za-z0-9_./:@+-]+$")
+
+
+def _override(key: str, value: str) -> str:
+    """``key=value`` as a Hydra override (quoted when the path holds characters Hydra's grammar treats specially)."""
+    if _PLAIN_PATH.match(value):
+        return f"{key}={value}"
+    return f"{key}='" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _fresh(folder: Path) -> Path:
+    """``folder`` if it does not exist yet, else the first of ``folder-1``, ``folder-2``, ... that does not.
+
+    The folder is created here (``mkdir`` is atomic), so two runs started in the same second never share it.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(10_000):
+        candidate = folder if i == 0 else folder.with_name(f"{folder.name}-{i}")
+        try:
+            candidate.mkdir()
+            return candidate
+        except FileExistsError:
+            continue
+    raise ConfigError("hydra.run.dir", str(folder), "a folder name not used 10000 times already")
+
+
+def prepare_folders(argv: list[str]) -> list[str]:
+    """Settle and lock the run (or sweep) folder before Hydra writes into it; return overrides to add.
+
+    * an explicit folder is locked as it is: a live run holding it makes this raise (nothing is written);
+    * a folder named by ``${now:...}`` (the default) that exists already gets a ``-N`` suffix, so two runs
+      started in the same second, or a run started in the second an earlier one did, never share a folder;
+    * a folder that cannot be created or written (a file, a read-only place) is a config error;
+    * a single run's ``resume`` is checked against the checkpoint here, so a refused in-place resume leaves the
+      checkpointed run's ``.hydra/`` (the overrides its error message points to) untouched.
+
+    Command lines that do not run an experiment (``--help``, ``--cfg``, ``--info``...) are left to Hydra.
+    """
+    from omegaconf import OmegaConf, open_dict
+
+    from fedsim.recorder import lock_run_folder
+
+    flags = [a for a in argv if a.startswith("-")]
+    multirun = any(a in ("-m", "--multirun") for a in flags) or "hydra.mode=MULTIRUN" in argv
+    if any(a not in ("-m", "--multirun") for a in flags):
+        return []
+    overrides = [a for a in argv if not a.startswith("-")]
+    if multirun:  # sweep syntax cannot be composed: only the overrides that choose one value
+        overrides = [o for o in overrides if "," not in o and "(" not in o]
+    try:
+        cfg = compose(*overrides, return_hydra_config=True)
+    except Exception:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
+        return []
+    if not multirun and cfg.get("resume"):  # before any folder is made or locked: a refusal touches nothing
+        _check_resume(copy.deepcopy(cfg), open_dict)
+    node = "sweep" if multirun else "run"
+    key = f"hydra.{node}.dir"
+    raw = str(OmegaConf.to_container(cfg.hydra[node], resolve=False)["dir"])
+    folder = Path(str(cfg.hydra[node].dir))
+    extra = []
+    existed = folder.exists()
+    if "${" in raw:  # computed (the timestamp): settle it now, so Hydra and the lock agree on it
+        if "${now:" in raw:
+            existed = False
+            try:
+                folder = _fresh(folder)
+            except OSError as e:
+                raise ConfigError(
+                    key, str(folder), "a folder fedsim can create and write in", f"({e.strerror})."
+                ) from None
+        extra.append(_override(key, str(folder)))
+    lock_run_folder(folder, key)
+    if not multirun:
+        RUN_FOLDER.update(path=folder, created=not existed, hydra=_read_folder(folder / ".hydra"))
+    return extra
+
+
+RUN_FOLDER: dict = {}  # the single run's folder as it was before Hydra wrote into it (see undo_hydra_files)
+
+
+def _read_folder(folder: Path) -> dict[str, bytes]:
+    try:
+        return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    except OSError:
+        return {}
+
+
+def undo_hydra_files() -> None:
+    """After a config error, put the run folder back as it was before Hydra wrote ``.hydra/`` and its log.
+
+    A folder made for this run (holding nothing else) is removed; a reused one gets its earlier ``.hydra/``
+    files back, so they keep describing the outputs beside them.
+    """
+    import shutil
+
+    folder = RUN_FOLDER.get("path")
+    if folder is None or not folder.is_dir():
+        return
+    from fedsim.recorder import LOCK_NAME
+
+    hydra, log_files = folder / ".hydra", {f"{HydraConfig.get().job.name}.log", LOCK_NAME}
+    try:
+        if RUN_FOLDER["created"] and {p.name for p in folder.iterdir()} <= {".hydra", *log_files}:
+            shutil.rmtree(folder)
+            return
+        if RUN_FOLDER["hydra"]:
+            for name, data in RUN_FOLDER["hydra"].items():
+                (hydra / name).write_bytes(data)
+    except OSError:
+        pass
+
+
+def _check_resume(cfg, open_dict) -> None:
+    """The run's ``resume`` checked against the checkpoint (``ConfigError`` when it does not fit)."""
+    from omegaconf import OmegaConf
+
+    from fedsim import checkpoint
+
+    with open_dict(cfg):
+        del cfg["hydra"]
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    ckpt = checkpoint.load(str(cfg.resume))
+    checkpoint.check_config(ckpt, resolved, str(cfg.resume))
+    checkpoint.check_rounds(ckpt, cfg.get("num_rounds"), str(cfg.resume))
+
+
 def main() -> None:
     """Console entry point (``fedsim``)."""
-    msg = unknown_key(sys.argv[1:])
+    from fedsim import errors, sweep
+
+    errors.IGNORE_AFTER_INTERRUPT = True
+    argv = sys.argv[1:]
+    msg = unknown_key(argv) or null_group(argv)
     if msg:
         print(f"fedsim: config error: {msg}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    _hydra_main()
-    if FAILED_JOBS:
-        print(
-            f"fedsim: {len(FAILED_JOBS)} run(s) of the sweep failed: {', '.join(FAILED_JOBS)}",
-            file=sys.stderr,
-        )
+    try:
+        sys.argv += prepare_folders(argv)
+        _hydra_main()
+    except ConfigError as e:
+        print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG)
+    except KeyboardInterrupt as e:
+        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+        if not EXIT_STATUS:  # before any run had its outputs written
+            print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        if sweep.LAST_SWEEP is not None:
+            sweep.LAST_SWEEP.summarise()
+        _exit(128 + signum)
+    failed = sorted(set(FAILED_JOBS) | set(sweep.FAILED_JOBS))
+    if failed:
+        print(f"fedsim: {len(failed)} run(s) of the sweep failed: {', '.join(failed)}", file=sys.stderr)
         sys.exit(1)
+    if EXIT_STATUS:
+        _exit(EXIT_STATUS)
+
+
+def _exit(status: int) -> None:
+    """Exit with ``status`` after an interrupted run, whose outputs are written.
+
+    With Ray loaded, its C++ runtime aborts the interpreter's teardown after a signal (exit status -6 instead
+    of 128 + N); Ray was shut down by the run, so the process ends here without that teardown.
+    """
+    if "ray" not in sys.modules:
+        sys.exit(status)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
+import shutil
+import signal
+import threading
+from pathlib import Path
 from typing import Any
 
 
@@ -29,7 +36,8 @@ class ConfigError(ValueError):
 
     def with_prefix(self, prefix: str) -> ConfigError:
         """Return the same error with ``prefix.`` put in front of the key."""
-        key = f"{prefix}.{self.key}" if prefix and not self.key.startswith(prefix + ".") else self.key
+        inside = self.key == prefix or self.key.startswith(prefix + ".")  # already named from the group
+        key = f"{prefix}.{self.key}" if prefix and not inside else self.key
         return ConfigError(key, self.value, self.allowed, self.hint)
 
 
@@ -49,3 +57,132 @@ class RunError(RuntimeError):
 
     The command line prints its message as one line and exits 1; the run folder keeps what was done.
     """
+
+
+class OutputError(RunError):
+    """A run-folder file could not be written (full disk, read-only folder, ...); the message names the file."""
+
+
+def write_error(path, exc: BaseException) -> OutputError:
+    """One line naming ``path`` and why writing it failed (``the disk is full`` when that is the cause)."""
+    path = Path(path)
+    if isinstance(exc, OSError) and exc.strerror:
+        reason = exc.strerror
+    else:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:200]
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or (free is not None and free < 1 << 20):
+        reason = f"the disk is full ({reason}; {free if free is not None else '?'} bytes free)"
+    return OutputError(f"cannot write {path}: {reason}")
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT), SIGTERM or SIGHUP during a run: handled alike; the exit status is 128 + the signal."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(signal.Signals(self.signum).name)
+
+
+class SignalGuard:
+    """Turns SIGINT, SIGTERM and SIGHUP into :class:`Interrupted` while a run is on (see :func:`signals`).
+
+    * :meth:`critical` sections (writes of checkpoint.pt, model.pt, summary.json) are never cut: a signal that
+      arrives inside one is raised when the section ends.
+    * once the run is :meth:`stopping` (it writes its outputs after an interrupt, or at its end), signals are
+      only noted: a second Ctrl-C while plotting costs nothing.
+    * :attr:`first` is the first signal received: the exit status is 128 + it.
+    """
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.pending: int | None = None
+        self.depth = 0
+        self.is_stopping = False
+        self._noted = False
+
+    def handle(self, signum: int, frame=None) -> None:
+        if self.first is None:
+            self.first = signum
+        if self.is_stopping:
+            if not self._noted:
+                self._noted = True
+                logging.getLogger("fedsim").warning(
+                    "%s received: writing the run's outputs first (SIGKILL stops at once, losing them)",
+                    signal.Signals(signum).name,
+                )
+            return
+        if self.depth:
+            self.pending = self.pending or signum
+            return
+        raise Interrupted(signum)
+
+    def critical(self):
+        """Context manager: a section no signal interrupts (one arriving inside is raised at its end)."""
+
+        @contextlib.contextmanager
+        def section():
+            self.depth += 1
+            try:
+                yield
+            finally:
+                self.depth -= 1
+            if not self.depth and self.pending is not None and not self.is_stopping:
+                signum, self.pending = self.pending, None
+                raise Interrupted(signum)
+
+        return section()
+
+    def stopping(self) -> None:
+        """From now on signals are only noted (the run is writing its outputs)."""
+        self.is_stopping = True
+
+
+_GUARD: SignalGuard | None = None
+# Set by the command line, whose process ends with the run: after an interrupted run, later signals are ignored
+# (restoring Python's handler would let a third Ctrl-C kill the process while it exits, with status -2).
+IGNORE_AFTER_INTERRUPT = False
+
+
+def critical():
+    """A section no signal interrupts, when a run's :func:`signals` guard is on (else a no-op)."""
+    return _GUARD.critical() if _GUARD is not None else contextlib.nullcontext()
+
+
+def signals():
+    """Context manager: while it is open, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` (main thread only).
+
+    Yields the :class:`SignalGuard` (``None`` outside the main thread, where Python cannot catch signals).
+    The previous handlers come back when it closes.
+    """
+
+    @contextlib.contextmanager
+    def guard():
+        global _GUARD
+        if threading.current_thread() is not threading.main_thread() or _GUARD is not None:
+            yield _GUARD
+            return
+        g = SignalGuard()
+        previous = {}
+        for name in SignalGuard.NAMES:
+            sig = getattr(signal, name, None)
+            if (
+                sig is not None and signal.getsignal(sig) is not signal.SIG_IGN
+            ):  # nohup, `cmd &`: stay ignored
+                previous[sig] = signal.signal(sig, g.handle)
+        _GUARD = g
+        try:
+            yield g
+        finally:
+            _GUARD = None
+            for sig, handler in previous.items():
+                if g.first is not None and IGNORE_AFTER_INTERRUPT:
+                    handler = signal.SIG_IGN
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+    return guard()

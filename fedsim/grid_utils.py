@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
@@ -65,6 +65,51 @@ class SampledGrid(GridView):
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self._nodes)
+
+
+class RunStopped(RuntimeError):
+    """Raised in a server loop running in another thread (Ray's ServerApp thread) once the run is stopped."""
+
+
+class StoppableView(GridView):
+    """A view of ``grid`` whose every call raises :class:`RunStopped` once ``stop`` is set.
+
+    The Ray engine runs the server loop in a thread of its own; when the main thread is interrupted, setting
+    ``stop`` ends that thread at its next grid call (it polls every ``poll`` seconds while it waits for
+    replies), so it neither changes the run's state while the outputs are written nor keeps the process alive.
+    """
+
+    def __init__(self, grid: Grid, stop, poll: float = 0.05) -> None:
+        super().__init__(grid)
+        self._stop, self._poll = stop, poll
+
+    def _check(self) -> None:
+        if self._stop.is_set():
+            raise RunStopped("the run was stopped")
+
+    def get_node_ids(self) -> Iterable[int]:
+        self._check()
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages):
+        self._check()
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        self._check()
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        ids = set(self.push_messages(list(messages)))
+        end = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while ids and (end is None or time.monotonic() < end):
+            got = list(self.pull_messages(list(ids)))
+            replies += got
+            ids -= {r.metadata.reply_to_message_id for r in got}
+            if ids:
+                time.sleep(self._poll)
+        return replies
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
@@ -142,15 +187,75 @@ def first_line(reason: str) -> str:
     return (lines[-1] if lines else "unknown error")[:300]
 
 
+def _node(rep: Message) -> str:
+    return f"node {rep.metadata.src_node_id}"
+
+
+def _names(keys_: Iterable[str], limit: int = 3) -> str:
+    keys_ = sorted(keys_)
+    more = f" and {len(keys_) - limit} more" if len(keys_) > limit else ""
+    return ", ".join(repr(k) for k in keys_[:limit]) + more
+
+
+def check_reply_content(rep: Message, reference: dict[str, tuple[tuple, np.dtype]]) -> tuple[str, str] | None:
+    """Why a (non-error) train reply cannot be aggregated: ``(kind, detail)``, or None when it can.
+
+    ``reference`` maps each array name of the global model to its ``(shape, dtype)``. The detail names what is
+    missing or different, so a client that is not fedsim's (or trains another model) is recognisable in the log.
+    """
+    c = rep.content
+    arrs, metrics = c.get(keys.ARRAYS), c.get(keys.METRICS)
+    if not isinstance(arrs, ArrayRecord) or not isinstance(metrics, MetricRecord):
+        what = [f"an ArrayRecord {keys.ARRAYS!r}"] if not isinstance(arrs, ArrayRecord) else []
+        what += [f"a MetricRecord {keys.METRICS!r}"] if not isinstance(metrics, MetricRecord) else []
+        return (
+            "malformed",
+            f"reply from {_node(rep)} lacks {' and '.join(what)} (records: {_names(c.keys())})",
+        )
+    for key in (keys.PARTITION_ID, keys.NUM_EXAMPLES):
+        v = metrics.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            return "malformed", (
+                f"reply from {_node(rep)} lacks a number >= 0 for metric {key!r} "
+                f"(metrics: {_names(metrics.keys())}); is it fedsim's ClientApp?"
+            )
+    got = {k: (tuple(a.shape), a.dtype) for k, a in arrs.items()}
+    if set(got) != set(reference):
+        missing, extra = set(reference) - set(got), set(got) - set(reference)
+        parts = ([f"missing {_names(missing)}"] if missing else []) + (
+            [f"unexpected {_names(extra)}"] if extra else []
+        )
+        return (
+            "shape",
+            f"reply from {_node(rep)}: array names differ from the global model's ({'; '.join(parts)})",
+        )
+    for k, (shape, _) in reference.items():
+        if got[k][0] != shape:
+            return (
+                "shape",
+                f"reply from {_node(rep)}: {k!r} has shape {got[k][0]}, the global model's {shape}",
+            )
+    for k, (_, dtype) in reference.items():
+        if got[k][1] != dtype:
+            return "dtype", f"reply from {_node(rep)}: {k!r} is {got[k][1]}, the global model's is {dtype}"
+    loss = metrics.get(keys.TRAIN_LOSS, 0.0)
+    if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
+        return "nonfinite", f"NaN or Inf train loss from {_node(rep)}"
+    if not all(np.isfinite(a.numpy()).all() for a in arrs.values()):
+        return "nonfinite", f"NaN or Inf in the update from {_node(rep)}"
+    return None
+
+
 def screen_replies(
     replies: Iterable[Message], reference: ArrayRecord
 ) -> tuple[list[Message], list[tuple[str, str]]]:
     """Split train replies into valid ones and failures ``(kind, detail)``.
 
     A reply fails if it is an error (kind ``error``; ``timeout`` for a simulated one; ``unavailable`` when
-    the SuperLink reports the node or message gone), lacks arrays or metrics
-    (``malformed``), has arrays whose keys or shapes (``shape``) or dtypes (``dtype``) differ from ``reference``,
-    or holds NaN/Inf in its arrays or train loss (``nonfinite``).
+    the SuperLink reports the node or message gone), lacks its ArrayRecord or MetricRecord, or the metrics
+    ``partition-id`` and ``num-examples`` (``malformed``: a client that is not fedsim's), has arrays whose
+    names or shapes (``shape``) or dtypes (``dtype``) differ from ``reference``, or holds NaN/Inf in its
+    arrays or train loss (``nonfinite``). Each detail names the node and what is missing or different.
     """
     ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
     valid, failures = [], []
@@ -163,21 +268,29 @@ def screen_replies(
                 kind = "timeout" if "SimulatedTimeout" in reason else "error"
             failures.append((kind, first_line(reason)))
             continue
-        c = rep.content
-        if keys.ARRAYS not in c or keys.METRICS not in c:
-            failures.append(("malformed", "reply lacks arrays or metrics"))
-            continue
-        arrs = c[keys.ARRAYS]
-        got = {k: (tuple(a.shape), a.dtype) for k, a in arrs.items()}
-        if {k: s for k, (s, _) in got.items()} != {k: s for k, (s, _) in ref.items()}:
-            failures.append(("shape", "arrays differ from the global model in keys or shapes"))
-            continue
-        if got != ref:
-            failures.append(("dtype", "arrays differ from the global model in dtype"))
-            continue
-        loss = c[keys.METRICS].get(keys.TRAIN_LOSS, 0.0)
-        if not math.isfinite(float(loss)) or not all(np.isfinite(a.numpy()).all() for a in arrs.values()):
-            failures.append(("nonfinite", "NaN or Inf in the update"))
+        problem = check_reply_content(rep, ref) if rep.has_content() else ("malformed", "an empty reply")
+        if problem is not None:
+            failures.append(problem)
             continue
         valid.append(rep)
     return valid, failures
+
+
+def nonfinite_arrays(arrays: ArrayRecord) -> list[str]:
+    """Names of the floating-point arrays of ``arrays`` that hold NaN or Inf."""
+    bad = []
+    for k, a in arrays.items():
+        x = a.numpy()
+        if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
+            bad.append(k)
+    return bad
+
+
+def diverged_message(rnd: int, bad: list[str], unit: str = "round", loss: float | None = None) -> str:
+    """The one line of a run whose global model is no longer finite: NaN or Inf in the arrays ``bad``, or
+    (``bad`` empty) an evaluation ``loss`` that is."""
+    what = f"NaN or Inf in {_names(bad)}" if bad else f"its evaluation loss is {loss}"
+    return (
+        f"the global model is no longer finite after {unit} {rnd}: {what}; the training diverged "
+        "(try a smaller learning rate: client.lr, or the strategy's server learning rate)"
+    )

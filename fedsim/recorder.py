@@ -1,10 +1,19 @@
-"""Run-folder outputs: metrics.jsonl, summary.json, model.pt, curves.png, and the console progress line."""
+"""Run-folder outputs: metrics.jsonl, summary.json, model.pt, curves.png, the console progress line, and the
+lock that keeps two live runs out of one folder.
+
+Every file but metrics.jsonl is written through a temporary file in the same folder and a rename, inside a
+section no signal interrupts (:func:`fedsim.errors.critical`), so a reader never sees half a file and no
+temporary file is left behind. A failed write raises :class:`fedsim.errors.OutputError`: one line naming the
+file and the cause (``the disk is full``, ``Read-only file system``, ...).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -13,29 +22,131 @@ from typing import Any
 import torch
 
 from fedsim import schema
+from fedsim.errors import ConfigError, critical, write_error
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover  (Windows: no folder lock)
+    fcntl = None
+
+LOCK_NAME = ".fedsim.lock"
+_HELD: dict[str, list] = {}  # run folder -> [lock file descriptor, users] held by this process
+
+
+def lock_run_folder(folder: str | Path, key: str = "hydra.run.dir") -> None:
+    """Hold the run folder's lock (``.fedsim.lock``, creating the folder) until :func:`unlock_run_folder`.
+
+    The lock is an exclusive ``flock`` on a file in the folder: the kernel drops it when the process ends, even
+    by SIGKILL, so a dead run never keeps a folder locked. Taking it again in the same process only counts.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``key`` when another live process holds the folder, or when it cannot be created or written.
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        name = str(folder.resolve())
+        if name in _HELD:
+            _HELD[name][1] += 1
+            return
+        fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(
+            key, str(folder), "a folder fedsim can create and write in", f"({e.strerror or e})."
+        ) from None
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            with contextlib.suppress(OSError):
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise ConfigError(
+                key,
+                str(folder),
+                "a run folder that no other live fedsim run is writing to",
+                f"Process {holder or '?'} is running in it: wait for it to end, or choose another folder.",
+            ) from None
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[name] = [fd, 1]
+
+
+def unlock_run_folder(folder: str | Path) -> None:
+    """Give back what :func:`lock_run_folder` took (the lock is released when its last user gives it back)."""
+    name = str(Path(folder).resolve())
+    held = _HELD.get(name)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] <= 0:
+        del _HELD[name]
+        with contextlib.suppress(OSError):
+            os.close(held[0])
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temp file and a rename, so readers never see half a file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    _atomic(Path(path), lambda f: f.write(data))
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` through a temp file and a rename."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` through a temp file and a rename (and no temp file left behind on failure)."""
+    _atomic(Path(path), lambda f: torch.save(obj, f))
+
+
+def _atomic(path: Path, write) -> None:
+    """Run ``write(file)`` on a new temp file next to ``path``, sync it, rename it to ``path``.
+
+    No signal interrupts it; on any failure the temp file is removed and an OSError (or torch's error on a
+    full disk) becomes an ``OutputError`` naming ``path``.
+    """
+    with critical():
+        tmp = None
+        try:
+            tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as for open()
+            with os.fdopen(fd, "wb") as f:
+                try:
+                    write(f)
+                    f.flush()
+                except (
+                    RuntimeError
+                ) as e:  # torch's zip writer hides the cause ("unexpected pos ..."): ask the OS
+                    raise _write_cause(f) or e from None
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+        except (OSError, RuntimeError) as e:
+            raise write_error(path, e) from None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+def _write_cause(f) -> OSError | None:
+    """The OS's reason why writing to ``f`` fails now (full disk, file size limit...), or None if it does not."""
+    try:
+        f.seek(0, os.SEEK_END)
+        os.write(f.fileno(), b"\0")
+    except OSError as e:
+        return e
+    return None
 
 
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def _num(v: Any, fmt: str) -> str:
+    """``v`` formatted, or ``nan`` when it is missing (a diverged model's loss is recorded as null)."""
+    return "nan" if v is None else format(v, fmt)
 
 
 class Recorder:
@@ -51,16 +162,47 @@ class Recorder:
         self.records: list[dict] = list(records or [])  # a resumed run starts with the rounds already done
         offset = self.records[-1][schema.WALL_TIME] if self.records else 0.0
         self.t0 = time.perf_counter() - offset
-        self._metrics = open(self.out_dir / "metrics.jsonl", "w", encoding="utf-8")
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        try:
+            self._fd: int | None = os.open(
+                self.metrics_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644
+            )
+        except OSError as e:
+            raise write_error(self.metrics_path, e) from None
+        self._good = 0  # bytes of metrics.jsonl known to be whole lines
         self._rewrite()
+
+    def _append(self, text: str) -> None:
+        """Append whole lines to metrics.jsonl; on failure cut the file back to its last whole line."""
+        data = text.encode()
+        try:
+            if self._fd is None:
+                raise OSError(9, "the file is closed")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as e:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, self._good)
+            raise write_error(self.metrics_path, e) from None
+        self._good += len(data)
 
     def _rewrite(self) -> None:
         """metrics.jsonl from scratch: one line per record so far."""
-        self._metrics.seek(0)
-        self._metrics.truncate()
-        for r in self.records:
-            self._metrics.write(json.dumps(r) + "\n")
-        self._metrics.flush()
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError as e:
+                raise write_error(self.metrics_path, e) from None
+        self._good = 0
+        self._append("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def truncate(self, last_round: int) -> None:
+        """Forget the records after ``last_round`` (an interrupted or failed round) and rewrite metrics.jsonl."""
+        if any(r[schema.ROUND] > last_round for r in self.records):
+            self.records = [r for r in self.records if r[schema.ROUND] <= last_round]
+            self._rewrite()
 
     def log(self, record: dict) -> None:
         """Append one record to metrics.jsonl (flushed at once) and print the progress line."""
@@ -70,9 +212,8 @@ class Recorder:
             **record,
         }
         record = {k: _clean(v) for k, v in record.items()}
+        self._append(json.dumps(record) + "\n")
         self.records.append(record)
-        self._metrics.write(json.dumps(record) + "\n")
-        self._metrics.flush()
         if not self.quiet:
             print(self.progress_line(record), file=sys.stderr, flush=True)
 
@@ -87,7 +228,7 @@ class Recorder:
         """``[round 5/30] acc 0.873  loss 0.412  clients 10  sim 12.3s  elapsed 3.2s`` (+ extras)."""
         parts = [f"[round {r['round']:>{len(str(self.num_rounds))}}/{self.num_rounds}]"]
         if r.get(schema.EVAL_ACCURACY) is not None:
-            parts.append(f"acc {r['eval_accuracy']:.4f}  loss {r['eval_loss']:.4f}")
+            parts.append(f"acc {r['eval_accuracy']:.4f}  loss {_num(r.get(schema.EVAL_LOSS), '.4f')}")
         if r.get(schema.TRAIN_LOSS) is not None:
             parts.append(f"train_loss {r['train_loss']:.4f}")
         parts.append(f"clients {r.get('num_clients', 0)}")
@@ -101,12 +242,15 @@ class Recorder:
                 parts.append(f"{key} " + fmt.format(r[key]))
         if r.get(schema.SKIPPED):
             parts.append("SKIPPED")
-        parts.append(f"sim {r.get('sim_time', 0.0):.1f}s  elapsed {r['wall_time']:.1f}s")
+        parts.append(f"sim {_num(r.get(schema.SIM_TIME, 0.0), '.1f')}s  elapsed {r[schema.WALL_TIME]:.1f}s")
         return "  ".join(parts)
 
     def close(self) -> None:
         """Close metrics.jsonl."""
-        self._metrics.close()
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def summary(self, extra: dict) -> dict:
         """Final and best metrics over the recorded rounds, plus ``extra`` (config choices, versions...)."""

@@ -7,16 +7,23 @@
    Nothing has been written yet, so a bad config leaves no run folder behind.
 2. :class:`Run` opens the run folder: partition statistics, the resumed checkpoint if any, the recorder, and
    the round hooks (target accuracy, periodic checkpoints).
-3. :meth:`Run.execute` runs the synchronous or asynchronous loop on the engine. An interrupt (Ctrl-C) rolls
-   back to the end of the last completed round and writes a checkpoint, so a resume repeats nothing.
-4. :meth:`Run.finish` writes model.pt, curves.png and summary.json, whatever happened before.
+   It first takes the folder's lock: a second live run aimed at the same folder is refused before it writes.
+3. :meth:`Run.execute` runs the synchronous or asynchronous loop on the engine. An interrupt (Ctrl-C, SIGTERM,
+   SIGHUP) or a failure rolls back to the end of the last completed round and writes a checkpoint, so a resume
+   repeats nothing and every output describes the same round.
+4. :meth:`Run.finish` writes model.pt, summary.json and, last and optional, curves.png, whatever happened
+   before. A run that aggregated no update at all ends ``failed``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import platform
+import signal
+import threading
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +33,18 @@ from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
 from fedsim import __version__, checkpoint, schema
+from fedsim.algorithms import state as client_state
 from fedsim.engines import EngineRunner
+from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals
 from fedsim.experiment import Experiment, build_experiment
-from fedsim.recorder import Recorder, atomic_torch_save
+from fedsim.grid_utils import StoppableView
+from fedsim.recorder import (
+    Recorder,
+    atomic_torch_save,
+    atomic_write_bytes,
+    lock_run_folder,
+    unlock_run_folder,
+)
 from fedsim.server import run_sync
 from fedsim.state import RunState, TargetReached
 from fedsim.strategies import base
@@ -42,16 +58,69 @@ def run_experiment(
     """Run the experiment ``cfg``, write its outputs to ``out_dir`` and return its summary.
 
     ``grid`` is given by a deployed ServerApp (the SuperLink's Grid); otherwise ``cfg.engine`` picks the engine.
+    Ctrl-C, SIGTERM and SIGHUP end the run as ``interrupted`` (summary ``signal``) with its outputs written.
+
+    Raises
+    ------
+    ConfigError
+        A bad value, a resume that does not fit, or a run folder another live run holds (nothing written).
+    RunError
+        The run could not go on, aggregated no update, diverged, or could not write an output; the outputs of
+        the rounds done are in ``out_dir`` (summary ``status`` is ``failed``, ``error`` says why).
     """
-    exp = build_experiment(cfg, deployed=grid is not None)
-    engine = EngineRunner(exp.engine, exp.placement, exp.loop.num_clients, grid)
-    run = Run(exp, Path(out_dir), choices or {})
-    status = "failed"
-    try:
-        status = run.execute(engine)
-    finally:
-        summary = run.finish(status, engine.name)
+    with contextlib.nullcontext() if grid is not None else signals() as guard:
+        exp = build_experiment(cfg, deployed=grid is not None)
+        engine = EngineRunner(
+            exp.engine, exp.placement, exp.loop.num_clients, grid, state_dir=Path(out_dir) / "client_state"
+        )
+        run = Run(exp, Path(out_dir), choices or {})
+        try:
+            status, raised = "failed", True
+            try:
+                status = run.execute(engine, guard)
+                raised = False
+            except BaseException as e:
+                run.error = run.error or _one_line(e)
+                raise
+            finally:
+                if guard is not None:
+                    guard.stopping()
+                summary = run.finish(status, engine.name)
+        finally:
+            run.close()
+    if summary["status"] == "failed" and not raised:
+        raise RunError(summary["error"])
     return summary
+
+
+@contextlib.contextmanager
+def _sigterm_kept_from_ray(active: bool):
+    """Keep fedsim's SIGTERM handler while Ray starts: ``ray.init`` replaces it with ``sys.exit(15)``, which
+    would end the run as failed (and abort the process) instead of interrupted with its outputs written."""
+    if not active:
+        yield
+        return
+    try:
+        from ray._private import utils as ray_utils
+
+        replace = ray_utils.set_sigterm_handler
+    except (ImportError, AttributeError):  # another Ray: its handler stays
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = replace
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, (ConfigError, RunError)):
+        return str(e)
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 class TargetWatch:
@@ -83,23 +152,40 @@ class Run:
         self.exp, self.out_dir, self.choices = exp, out_dir, choices
         self.strategy = exp.strategy
         self.state = RunState(arrays=ArrayRecord(exp.initial_model.state_dict()))
+        self.error: str | None = None  # why a failed run failed
+        self.signal: int | None = None  # the signal that interrupted it
+        self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         cfg = exp.cfg
         records: list[dict] = []
-        out_dir.mkdir(parents=True, exist_ok=True)
-        write_partition_stats(out_dir, exp.train_partitions, exp.dataset.y_train, exp.dataset.num_classes)
-        self.watch = TargetWatch(cfg.get("target_accuracy"), bool(cfg.get("stop_at_target")))
-        if cfg.get("resume"):
-            records = self._resume(str(cfg.resume))
-        self.recorder = Recorder(
-            out_dir, exp.loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records
-        )
-        self.every = int(cfg.get("checkpoint_every") or 0)
-        self.ckpt_path = out_dir / "checkpoint.pt"
+        lock_run_folder(out_dir)  # first: a folder another live run writes to is refused before any write
+        try:
+            self.watch = TargetWatch(cfg.get("target_accuracy"), bool(cfg.get("stop_at_target")))
+            if cfg.get("resume"):
+                records = self._resume(str(cfg.resume))
+            self.every = int(cfg.get("checkpoint_every") or 0)
+            self.ckpt_path = out_dir / "checkpoint.pt"
+            self.recorder = Recorder(
+                out_dir, exp.loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records
+            )
+            write_partition_stats(out_dir, exp.train_partitions, exp.dataset.y_train, exp.dataset.num_classes)
+        except BaseException:
+            if hasattr(self, "recorder"):
+                self.recorder.close()
+            unlock_run_folder(out_dir)
+            raise
+
+    def close(self) -> None:
+        """Close metrics.jsonl and give the run folder's lock back."""
+        self.recorder.close()
+        unlock_run_folder(self.out_dir)
 
     def _resume(self, path: str) -> list[dict]:
         ckpt = checkpoint.load(path)
         checkpoint.check_config(ckpt, self.exp.resolved, path)
+        checkpoint.check_rounds(ckpt, self.exp.loop.num_rounds, path)
         self.strategy = checkpoint.restore(ckpt, self.state, self.strategy)
+        where = Path(path).expanduser()
+        client_state.resume(where if where.is_dir() else where.parent, self.state.round, self.out_dir)
         if self.state.target_reached is not None and self.state.target_reached.target != self.watch.target:
             self.state.target_reached = None  # reached for another target
         log.warning("resuming from %s at round %d", path, self.state.round)
@@ -114,10 +200,12 @@ class Run:
         if self.every and state.round > 0 and (state.round % self.every == 0 or state.round == last):
             self.save_checkpoint()
 
-    def save_checkpoint(self, records: list[dict] | None = None) -> None:
-        """checkpoint.pt of the current state (and the records up to it)."""
-        records = self.recorder.records if records is None else records
+    def save_checkpoint(self) -> None:
+        """checkpoint.pt of the current state and the records up to it."""
+        records = [r for r in self.recorder.records if r[schema.ROUND] <= self.state.round]
+        client_state.checkpoint(self.out_dir, self.state.round)  # the clients' state of the same round
         checkpoint.save(self.ckpt_path, self.state, self.strategy, records, self.exp.resolved)
+        self.ckpt_round = self.state.round
 
     def server_main(self, grid: Grid, deployed: bool) -> None:
         """The synchronous or asynchronous loop on ``grid``."""
@@ -142,22 +230,78 @@ class Run:
                 grid, e.loop, self.strategy, self.state, e.spec_json, e.evaluate_fn, e.clock, self.on_round
             )
 
-    def execute(self, engine: EngineRunner) -> str:
-        """Run the loop on ``engine``; return the status (``completed``, ``stopped`` or ``interrupted``)."""
+    def execute(self, engine: EngineRunner, guard=None) -> str:
+        """Run the loop on ``engine``; return the status (``completed``, ``stopped`` or ``interrupted``).
+
+        An interrupt returns ``interrupted`` after rolling back to the end of the last completed round and
+        writing a checkpoint there; any other exception rolls back the same way and propagates.
+        """
+        threaded = engine.name == "ray"  # Flower runs the ServerApp in a thread of its own there
         try:
-            engine.run(lambda grid: self.server_main(grid, engine.deployed))
+            with _sigterm_kept_from_ray(threaded and guard is not None):
+                engine.run(self._threaded_main(engine) if threaded else self._main(engine))
             if self.state.stop_reason:
                 self._close_early_stop()
                 return "stopped"
             return "completed"
-        except KeyboardInterrupt:
-            if self.state.rollback is not None:  # the end of the last completed round: resume repeats nothing
-                self.strategy = checkpoint.restore(self.state.rollback, self.state, self.strategy)
+        except KeyboardInterrupt as e:
+            if guard is not None:
+                guard.stopping()
+            self._stop_server_thread()
+            self.signal = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+            self._roll_back()
             log.warning(
-                "interrupted: writing a checkpoint and the outputs of the %d rounds done", self.state.round
+                "interrupted (%s): writing a checkpoint and the outputs of the %d rounds done",
+                signal.Signals(self.signal).name,
+                self.state.round,
             )
-            self.save_checkpoint([r for r in self.recorder.records if r[schema.ROUND] <= self.state.round])
+            self.save_checkpoint()
             return "interrupted"
+        except BaseException:
+            if guard is not None:
+                guard.stopping()
+            self._stop_server_thread()
+            self._roll_back()
+            raise
+
+    def _main(self, engine: EngineRunner):
+        return lambda grid: self.server_main(grid, engine.deployed)
+
+    def _threaded_main(self, engine: EngineRunner):
+        """The server loop for an engine that runs it in another thread: stoppable, and joined on a stop."""
+        self._stop, self._server_started, self._server_done = (threading.Event() for _ in range(3))
+
+        def main(grid: Grid) -> None:
+            self._server_started.set()
+            try:
+                self.server_main(StoppableView(grid, self._stop), engine.deployed)
+            finally:
+                self._server_done.set()
+
+        return main
+
+    def _stop_server_thread(self, wait: float = 60.0) -> None:
+        """Stop a server loop running in another thread and wait for it, before the state is rolled back."""
+        stop = getattr(self, "_stop", None)
+        if stop is None:
+            return
+        stop.set()
+        if self._server_started.is_set() and not self._server_done.wait(wait):
+            log.warning("the server loop did not stop within %.0f s; writing the outputs anyway", wait)
+        try:  # the interrupted simulation did not shut Ray down (its processes would outlive the run)
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+        except Exception as e:  # noqa: BLE001  (the outputs matter more than a clean Ray exit)
+            log.warning("Ray did not shut down cleanly: %s", _one_line(e))
+
+    def _roll_back(self) -> None:
+        """Return to the end of the last completed round (where resume continues) and forget later records."""
+        if self.state.rollback is not None:
+            self.strategy = checkpoint.restore(self.state.rollback, self.state, self.strategy)
+        with contextlib.suppress(OutputError):  # reported when the outputs are written
+            self.recorder.truncate(self.state.round)
 
     def _close_early_stop(self) -> None:
         """A stop before num_rounds: the final model is evaluated (eval_every or not) and checkpointed."""
@@ -167,22 +311,61 @@ class Run:
         if records[-1].get(schema.EVAL_ACCURACY) is None:
             loss, acc = self.exp.evaluate_fn(self.state.arrays)
             self.recorder.amend({schema.EVAL_LOSS: loss, schema.EVAL_ACCURACY: acc})
-        if self.every:
-            self.save_checkpoint()
+        self.save_checkpoint()
+
+    def trained_nothing(self) -> str | None:
+        """Why a run whose every round was skipped failed (None when some round aggregated an update)."""
+        done = [r for r in self.recorder.records if r[schema.ROUND] >= 1]
+        if not done or any(r.get(schema.NUM_CLIENTS) and not r.get(schema.SKIPPED) for r in done):
+            return None
+        why: Counter = Counter()
+        for r in done:
+            why.update({f"client failures ({k})": n for k, n in (r.get(schema.FAILURE_KINDS) or {}).items()})
+            why["dropped out"] += int(r.get(schema.DROPPED_OUT) or 0)
+            why["past the deadline"] += int(r.get(schema.DROPPED_LATE) or 0)
+        causes = ", ".join(f"{k}: {n}" for k, n in why.items() if n) or "no valid replies"
+        return (
+            f"no round aggregated an update: all {len(done)} round(s) were skipped ({causes}); "
+            f"check faults, heterogeneity (dropout_prob, deadline), min_replies and the clients"
+        )
 
     # ------------------------------------------------------------------ outputs
     def finish(self, status: str, engine: str) -> dict:
-        """model.pt, curves.png and summary.json for a run that ended with ``status``; return the summary."""
+        """model.pt, checkpoint.pt when due, summary.json, then curves.png; return the summary.
+
+        Each output is tried whatever happened before; a write failure is one line naming the file (the run
+        then ends ``failed``); the plot is optional (a failure is a warning).
+        """
         rec = self.recorder
-        rec.close()
+        if status in ("completed", "stopped") and (why := self.trained_nothing()):
+            status, self.error = "failed", why
+        problems = []
         if rec.records:
-            atomic_torch_save(self.state.arrays.to_torch_state_dict(), self.out_dir / "model.pt")
-            rec.plot(title=" ".join(f"{k}={v}" for k, v in self.choices.items()))
+            try:
+                atomic_torch_save(self.state.arrays.to_torch_state_dict(), self.out_dir / "model.pt")
+            except OutputError as e:
+                problems.append(str(e))
+        # checkpoint.pt always describes the run's last round: written on a failure too, and a checkpoint left in
+        # the folder by an earlier run (or the one an in-place resume started from) is replaced
+        stale = self.ckpt_path.exists() and self.ckpt_round != self.state.round
+        if self.ckpt_round != self.state.round and (stale or (status == "failed" and self.state.round > 0)):
+            try:
+                self.save_checkpoint()
+            except OutputError as e:
+                problems.append(str(e))
+        if problems and status in ("completed", "stopped"):
+            status = "failed"
+        if problems:
+            self.error = "; ".join(([self.error] if self.error else []) + problems)
         reached = self.state.target_reached
         summary = rec.summary(
             {
                 "status": status,
                 "stop_reason": self.state.stop_reason,
+                "error": self.error if status in ("failed", "interrupted") else None,
+                "signal": signal.Signals(self.signal).name
+                if status == "interrupted" and self.signal
+                else None,
                 "engine": engine,
                 "choices": self.choices,
                 "target_accuracy": self.watch.target,
@@ -194,7 +377,17 @@ class Run:
                 "versions": versions(),
             }
         )
-        rec.write_summary(summary)
+        try:
+            rec.write_summary(summary)
+        except OutputError as e:
+            summary["status"] = "failed"
+            summary["error"] = "; ".join(x for x in (summary.get("error"), str(e)) if x)
+        if rec.records:
+            try:
+                rec.plot(title=" ".join(f"{k}={v}" for k, v in self.choices.items()))
+            except Exception as e:  # noqa: BLE001  (curves.png is optional: the run's results are written)
+                (self.out_dir / "curves.png").unlink(missing_ok=True)
+                log.warning("curves.png not written: %s", _one_line(e))
         return summary
 
 
@@ -218,5 +411,8 @@ def write_partition_stats(
     from fedsim.data.stats import partition_stats, plot_partitions
 
     stats = partition_stats(train, labels, num_classes)
-    (out_dir / "partitions.json").write_text(json.dumps(stats) + "\n")
-    plot_partitions(stats, out_dir / "partitions.png")
+    atomic_write_bytes(out_dir / "partitions.json", (json.dumps(stats) + "\n").encode())
+    try:
+        plot_partitions(stats, out_dir / "partitions.png")
+    except Exception as e:  # noqa: BLE001  (an optional figure)
+        log.warning("partitions.png not written: %s", _one_line(e))

@@ -19,7 +19,9 @@ class Purpose(IntEnum):
     COHORT = 1  # the synchronous round's sampled clients: (seed, 1, round)
     EVALUATORS = 2  # the part of the cohort that evaluates (federated_eval): (seed, 2, round)
     LOCAL_SHUFFLE = 3  # a client's minibatch order in local training: (seed, 3, round or task, partition)
-    DP_NOISE = 5  # the clipping wrapper's count noise without DP; DP draws use the server-only clipping.noise_seed
+    DP_NOISE = (
+        5  # the clipping wrapper's count noise without DP; DP draws use the server-only clipping.noise_seed
+    )
     PARTITION = 7  # the partitioner's split of the training set: (seed, 7)
     TRAIN_VAL_SPLIT = 8  # each client's train/validation split: (seed, 8, partition)
     FAULTS = 9  # injected faults: (seed, 9, round or task, partition)

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
@@ -22,7 +23,14 @@ from fedsim import checkpoint, keys, schema
 from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
-from fedsim.grid_utils import SampledGrid, discover, screen_replies, wait_for_nodes
+from fedsim.grid_utils import (
+    SampledGrid,
+    discover,
+    diverged_message,
+    nonfinite_arrays,
+    screen_replies,
+    wait_for_nodes,
+)
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.state import LoopConfig, RunState
@@ -142,6 +150,14 @@ def record_initial(state: RunState, evaluate_fn, on_round) -> None:
     )
 
 
+def evaluate_finite(evaluate_fn, state: RunState, rnd: int, unit: str = "round") -> tuple[float, float]:
+    """Evaluate the global model; ``RunError`` when its loss is NaN or Inf (the training diverged)."""
+    loss, acc = evaluate_fn(state.arrays)
+    if not math.isfinite(loss):
+        raise RunError(diverged_message(rnd, [], unit, loss=loss))
+    return loss, acc
+
+
 def _pid(rep: Message) -> int:
     return int(rep.content[keys.METRICS][keys.PARTITION_ID])
 
@@ -216,6 +232,9 @@ def run_sync(
                 arrays, metrics = None, None
                 record[schema.SKIPPED] = True
             if arrays is not None:
+                bad = nonfinite_arrays(arrays)
+                if bad:  # the loop stops before adopting it: the outputs keep the last finite model
+                    raise RunError(diverged_message(rnd, bad))
                 state.arrays = arrays
             record.update(_metric_fields(metrics))
         if loop.federated_eval and not record.get(schema.SKIPPED) and sent:
@@ -228,7 +247,7 @@ def run_sync(
         state.round = rnd
         record[schema.SIM_TIME] = state.sim_time
         if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
-            record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = evaluate_fn(state.arrays)
+            record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = evaluate_finite(evaluate_fn, state, rnd)
         record[schema.ROUND_TIME] = time.perf_counter() - t0
         on_round(record, state)
     return state
@@ -271,22 +290,32 @@ def _metric_fields(metrics: MetricRecord | None) -> dict:
     }
 
 
+def _has_eval_examples(rep: Message) -> bool:
+    """An evaluation reply with a MetricRecord holding a positive ``num-examples`` (others add nothing)."""
+    if rep.has_error() or not rep.has_content():
+        return False
+    m = rep.content.get(keys.METRICS)
+    n = m.get(keys.NUM_EXAMPLES) if isinstance(m, MetricRecord) else None
+    return isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n > 0
+
+
 def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
     config = ConfigRecord({keys.RUN_SPEC: spec})
     msgs = list(strategy.configure_evaluate(rnd, arrays, config, view))
     # a client without validation examples has nothing to add (and a cohort of them would divide by zero)
-    replies = [
-        r
-        for r in grid.send_and_receive(msgs, timeout=timeout)
-        if not r.has_error()
-        and keys.METRICS in r.content
-        and r.content[keys.METRICS].get(keys.NUM_EXAMPLES, 0) > 0
-    ]
+    replies = [r for r in grid.send_and_receive(msgs, timeout=timeout) if _has_eval_examples(r)]
+    # a fixed order, so that the float sums do not depend on the order of arrival
+    replies.sort(key=lambda r: r.metadata.src_node_id)
     agg = strategy.aggregate_evaluate(rnd, replies) if replies else None
     if agg is None:
         return {}
-    return {
+    out = {
         schema.FED_EVAL_PREFIX + schema.metric_field(k): float(v)
         for k, v in agg.items()
         if k != keys.NUM_EXAMPLES
     }
+    # each client evaluated the model it would use (a personalised one where it has one): spread over clients
+    accs = [float(r.content[keys.METRICS][keys.EVAL_ACCURACY]) for r in replies]
+    out[schema.PERSONAL_EVAL_ACCURACY] = float(np.mean(accs))
+    out[schema.PERSONAL_EVAL_ACCURACY_P10] = float(np.percentile(accs, 10))
+    return out

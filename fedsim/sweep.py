@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,19 +100,58 @@ def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
+BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
+FAILED_JOBS: list[str] = []  # job folders of the last summarised sweep that failed (any launcher)
+LAST_SWEEP: SweepSummary | None = None  # the multirun in progress (summarised by the CLI if it is cut short)
+
+
+def expected_jobs(config: DictConfig, started: float | None = None) -> set[int] | None:
+    """The job numbers of this multirun, whatever process its launcher ran them in.
+
+    Hydra's basic sweeper numbers the jobs 0..N-1 over the cartesian product of the sweep overrides (and
+    ``hydra.sweeper.params``), so N is computed from them. With another sweeper, the job folders whose
+    ``.hydra/overrides.yaml`` was written after ``started`` are this multirun's. None when neither works.
+    """
+    try:
+        if OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER:
+            from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+            from hydra.core.override_parser.overrides_parser import OverridesParser
+
+            params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+            args = [f"{k}={v}" for k, v in params.items()] + list(config.hydra.overrides.task)
+            batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(args), None)
+            return set(range(sum(len(b) for b in batches)))
+    except Exception:  # noqa: BLE001  (fall back on the folders' times)
+        pass
+    if started is None:
+        return None
+    sweep_dir = Path(config.hydra.sweep.dir)
+    found = set()
+    for job in sweep_dir.iterdir() if sweep_dir.is_dir() else []:
+        marker = job / ".hydra" / "overrides.yaml"
+        if job.name.isdigit() and marker.exists() and marker.stat().st_mtime >= started - 2.0:
+            found.add(int(job.name))
+    return found or None
+
+
 class SweepSummary(Callback):
     """Writes the sweep summary when a multirun ends (failed jobs appear with their error).
 
     Only this multirun's jobs are summarised, also when ``hydra.sweep.dir`` already holds an earlier sweep's
-    job folders. (A launcher that runs jobs in other processes does not report them here; then every job
-    folder is summarised.)
+    job folders, and also under launchers that run jobs in other processes (joblib, submitit), whose job
+    callbacks this object never sees (:func:`expected_jobs`). The failed jobs are left in :data:`FAILED_JOBS`,
+    so that the command exits non-zero whatever launcher ran them.
     """
 
     def __init__(self) -> None:
         self.jobs: set[int] = set()
+        self.config: DictConfig | None = None
+        self.started: float | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self.jobs = set()
+        global LAST_SWEEP
+        self.jobs, self.config, self.started = set(), config, time.time()
+        LAST_SWEEP = self
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         num = OmegaConf.select(config, "hydra.job.num")
@@ -119,7 +159,21 @@ class SweepSummary(Callback):
             self.jobs.add(int(num))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self.summarise(config)
+
+    def summarise(self, config: DictConfig | None = None) -> None:
+        """Write sweep_summary.csv and sweep.png for this multirun's jobs; note the failed ones."""
+        global LAST_SWEEP
+        config = config if config is not None else self.config
+        LAST_SWEEP = None
+        if config is None:
+            return
         sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.exists():
-            rows = write_summary(sweep_dir, self.jobs or None)
-            print(f"fedsim: sweep summary of {len(rows)} runs in {sweep_dir / 'sweep_summary.csv'}")
+        if not sweep_dir.exists():
+            return
+        jobs = self.jobs or expected_jobs(config, self.started)
+        rows = write_summary(sweep_dir, jobs)
+        FAILED_JOBS[:] = [
+            str((sweep_dir / str(r["job"])).resolve()) for r in rows if r.get("status") == "failed"
+        ]
+        print(f"fedsim: sweep summary of {len(rows)} runs in {sweep_dir / 'sweep_summary.csv'}")

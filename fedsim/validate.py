@@ -7,9 +7,81 @@ heterogeneity) in their constructors, ``client``/``placement``/``engine``/``faul
 
 from __future__ import annotations
 
-from omegaconf import DictConfig
+import functools
+from importlib.resources import files
+
+from omegaconf import DictConfig, OmegaConf
 
 from fedsim.checks import integer, number
+from fedsim.errors import ConfigError
+
+SEED_MAX = 2**64 - 1  # torch.manual_seed takes seeds up to 2^64 - 1
+_MISSING = object()
+
+
+def _options(group: str) -> list[str]:
+    folder = files("fedsim.conf") / group
+    return sorted(f.name.rsplit(".", 1)[0] for f in folder.iterdir() if f.name.endswith(".yaml"))
+
+
+@functools.cache
+def groups() -> tuple[str, ...]:
+    """The config groups every run needs (each folder of ``conf/`` but ``experiment``)."""
+    conf = files("fedsim.conf")
+    return tuple(
+        sorted(p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith(("_", "experiment")))
+    )
+
+
+def _bool_paths(node, prefix: str = "") -> dict[str, bool]:
+    """``{dotted key: is it a boolean}`` for every leaf of a YAML node (Hydra's ``_..._`` keys left out)."""
+    out: dict[str, bool] = {}
+    for k, v in node.items():
+        if str(k).startswith("_") or k == "defaults":
+            continue
+        if isinstance(v, dict):
+            out.update(_bool_paths(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = isinstance(v, bool)
+    return out
+
+
+@functools.cache
+def boolean_keys() -> tuple[str, ...]:
+    """Every on/off key: one whose value in fedsim's YAML files is ``true``/``false``.
+
+    Read from ``conf/`` itself, so a new switch in any YAML is checked the moment it exists. A group key counts
+    when every option that has it makes it a boolean.
+    """
+    conf = files("fedsim.conf")
+    main = OmegaConf.to_container(OmegaConf.load(str(conf / "config.yaml")), resolve=False)
+    out = {
+        k for k, is_bool in _bool_paths({k: v for k, v in main.items() if k != "hydra"}).items() if is_bool
+    }
+    for group in groups():
+        seen: dict[str, bool] = {}
+        for option in _options(group):
+            node = OmegaConf.to_container(OmegaConf.load(str(conf / group / f"{option}.yaml")), resolve=False)
+            for k, is_bool in _bool_paths(node).items():
+                seen[k] = seen.get(k, True) and is_bool
+        out |= {f"{group}.{k}" for k, is_bool in seen.items() if is_bool}
+    return tuple(sorted(out))
+
+
+def check_groups(cfg: DictConfig) -> None:
+    """Every config group a run needs is there (``strategy=null`` or ``~strategy`` would remove one)."""
+    for group in groups():
+        node = cfg.get(group, None)
+        if not isinstance(node, DictConfig):
+            raise ConfigError(group, node, f"one of {', '.join(_options(group))}")
+
+
+def check_booleans(cfg: DictConfig) -> None:
+    """On/off keys take ``true`` or ``false`` only (``no``, ``off``, ``0`` or ``maybe`` would not be a bool)."""
+    for key in boolean_keys():
+        value = OmegaConf.select(cfg, key, default=_MISSING)
+        if value is not _MISSING and not isinstance(value, bool):
+            raise ConfigError(key, value, "true or false")
 
 
 def clients_per_round(cfg: DictConfig) -> int:
@@ -24,8 +96,10 @@ def clients_per_round(cfg: DictConfig) -> int:
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` for the first top-level knob out of range."""
-    integer("seed", cfg.get("seed"), 0)
+    """Raise ``ConfigError`` for a missing group, a non-boolean switch, or the first top-level knob out of range."""
+    check_groups(cfg)
+    check_booleans(cfg)
+    integer("seed", cfg.get("seed"), 0, SEED_MAX)
     integer("num_clients", cfg.get("num_clients"), 1)
     integer("num_rounds", cfg.get("num_rounds"), 1)
     m = clients_per_round(cfg)

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from fedsim import schema
-from fedsim.config import compose
+from fedsim.config import FLOWER_ENV, compose
 
 # Small enough for a 2-core machine: a few clients, two rounds.
 TINY = ["num_clients=6", "clients_per_round=3", "num_rounds=2", "quiet=true"]
@@ -32,3 +35,17 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def without_wall_time(records: list[dict]) -> list[dict]:
     """Records with the wall-clock fields removed (they differ between identical runs)."""
     return [{k: v for k, v in r.items() if k not in schema.WALL_CLOCK} for r in records]
+
+
+def fedsim_cli(*args: str, cwd: Path, background: bool = False, timeout: float = 600, **popen):
+    """Run the ``fedsim`` command in ``cwd``: its ``CompletedProcess``, or the running ``Popen`` (``background``).
+
+    ``popen`` goes to ``subprocess`` (e.g. ``preexec_fn`` to set a resource limit).
+    """
+    cmd = [sys.executable, "-m", "fedsim", *args]
+    env = {**os.environ, **FLOWER_ENV}
+    if background:
+        return subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
+        )
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **popen)

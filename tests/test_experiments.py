@@ -156,8 +156,12 @@ def _fates(tmp_path: Path, *extra: str, small: bool = True) -> list[dict]:
 def test_fedprox_stragglers_cannot_finish(tmp_path):
     # every task straggles: FedAvg (partial_work=false) drops them all, FedProx keeps their partial work
     # (at the experiment's E = 20 a straggler gets through 800 examples, fewer than any client's 20 epochs)
-    dropped = _fates(tmp_path / "a", "heterogeneity.straggler_prob=1.0", small=False)
-    assert all(r.get("dropped_late") == 3 and r.get("skipped") for r in dropped)
+    from fedsim.errors import RunError
+
+    with pytest.raises(RunError, match="past the deadline"):  # a run that aggregated nothing has failed
+        _fates(tmp_path / "a", "heterogeneity.straggler_prob=1.0", small=False)
+    dropped = read_metrics(tmp_path / "a" / "run")[1:]
+    assert dropped and all(r.get("dropped_late") == 3 and r.get("skipped") for r in dropped)
     kept = _fates(
         tmp_path / "b",
         "heterogeneity.straggler_prob=1.0",

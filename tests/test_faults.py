@@ -40,13 +40,15 @@ def test_round_below_quorum_is_skipped_and_run_goes_on(tmp_path):
         "num_clients=10",
         "clients_per_round=10",
         "num_rounds=3",
-        "min_replies=10",
+        "min_replies=5",
         "faults=mixed",
         "faults.error=0.3",
     )
     recs = read_metrics(tmp_path)
     skipped = [r for r in recs[1:] if r.get("skipped")]
     assert skipped and summary["rounds_done"] == 3
+    # (a run with every round skipped fails: test_reliability)
+    assert len(skipped) < 3 and summary["status"] == "completed"
     first = skipped[0]["round"]
     # a skipped round leaves the global model as it was
     assert recs[first]["eval_accuracy"] == recs[first - 1]["eval_accuracy"]

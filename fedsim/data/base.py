@@ -1,10 +1,15 @@
-"""The in-memory data set every builder returns."""
+"""The in-memory data set every builder returns, and the BLAS limit data builders run under."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from fedsim.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -12,8 +17,9 @@ class Dataset:
     """Arrays of one data set, ready for partitioning.
 
     ``x_*`` are float32 of shape ``(n, *input_shape)``, already normalised; ``y_*`` are int64 class ids in
-    ``[0, num_classes)``. ``groups`` holds each training example's natural owner (a user or writer id) when the
-    data set has one, for the ``natural`` partitioner.
+    ``[0, num_classes)`` (checked: a label outside is a ``ConfigError`` on ``dataset``). ``groups`` holds each
+    training example's natural owner (a user or writer id) when the data set has one, for the ``natural``
+    partitioner.
     """
 
     name: str
@@ -24,3 +30,72 @@ class Dataset:
     num_classes: int
     input_shape: tuple[int, ...]
     groups: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        for split in ("y_train", "y_test"):
+            check_labels(getattr(self, split), self.num_classes, "dataset", self.name, f"its {split}")
+
+
+def check_labels(labels: np.ndarray, num_classes: int, key: str, value: object, source: str) -> None:
+    """Raise ``ConfigError(key, value, ...)`` when ``labels`` (read from ``source``, e.g. a file name) hold a
+    value outside ``[0, num_classes)``."""
+    labels = np.asarray(labels)
+    if labels.size == 0:
+        return
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise ConfigError(key, value, f"integer class labels (got {labels.dtype} in {source})")
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= num_classes:
+        count = int(((labels < 0) | (labels >= num_classes)).sum())
+        raise ConfigError(
+            key,
+            value,
+            f"class labels in [0, {num_classes})",
+            f"{source} holds label {hi if hi >= num_classes else lo} ({count} label(s) out of range): "
+            "the file is damaged or belongs to another data set.",
+        )
+
+
+def free_ram() -> int | None:
+    """Bytes of RAM free now (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_memory(needs: dict[tuple[str, object], int], what: str) -> None:
+    """Refuse a data set whose arrays would not fit in free RAM, before allocating them.
+
+    ``needs`` maps ``(key, value)`` of the parameter behind each big array to its bytes; the largest one is
+    named in the ``ConfigError`` (the process would otherwise be killed by the kernel's out-of-memory killer).
+    """
+    total, avail = sum(needs.values()), free_ram()
+    if avail is None or total <= avail:
+        return
+    (key, value), _ = max(needs.items(), key=lambda kv: kv[1])
+    raise ConfigError(
+        key,
+        value,
+        f"a value for which the {what} fit in memory: about {total / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB free",
+    )
+
+
+def single_threaded_blas():
+    """Context manager: BLAS (OpenBLAS, MKL, BLIS) limited to one thread, where threadpoolctl is installed.
+
+    Data builders run under it. A process that forks while OpenBLAS's thread pool is busy (a ServerApp building
+    its data while Ray starts workers) can deadlock the child inside OpenBLAS; with one thread the pool is not
+    used. The data do not change: OpenBLAS splits work over threads, not the order of its sums.
+    """
+    limits = _threadpool_limits()
+    return limits(limits=1, user_api="blas") if limits is not None else contextlib.nullcontext()
+
+
+@functools.cache
+def _threadpool_limits():
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover  (scikit-learn depends on it)
+        return None
+    return threadpool_limits

@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from fedsim.checks import is_integer, is_number
-from fedsim.data.base import Dataset
+from fedsim.data.base import Dataset, single_threaded_blas
 from fedsim.errors import ConfigError
 
 __all__ = ["synthetic"]
@@ -92,8 +92,12 @@ def synthetic(
         "a number in [0, 1)",
     )
 
+    with single_threaded_blas():  # built on the server too, which may fork (Ray): see single_threaded_blas
+        return _generate(seed, alpha, beta, int(num_users), int(dim), int(num_classes), iid, test_fraction)
+
+
+def _generate(seed, alpha, beta, k: int, d: int, c: int, iid: bool, test_fraction: float) -> Dataset:
     rng = np.random.default_rng(seed)
-    k, d, c = int(num_users), int(dim), int(num_classes)
     sizes = rng.lognormal(4, 2, k).astype(np.int64) + 50
     cov = np.diag(np.arange(1, d + 1, dtype=np.float64) ** -1.2)
     xs, ys = [], []

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fedsim.checks import integer, is_integer, is_number
-from fedsim.data.base import Dataset
+from fedsim.data.base import Dataset, check_memory
 from fedsim.errors import ConfigError
 
 __all__ = ["ProceduralImages", "synthetic_images"]
@@ -169,6 +169,17 @@ def synthetic_images(
     shape = tuple(int(s) for s in dims)
     if not is_number(noise) or not math.isfinite(noise) or noise < 0:
         raise ConfigError("noise", noise, "a finite number >= 0")
+    pixels = int(np.prod(shape))
+    check_memory(
+        {
+            ("num_classes", num_classes): int(num_classes)
+            * pixels
+            * (4 * (2 * int(max_shift) + 1) ** 2 + 40),
+            ("num_train", num_train): 0 if lazy else int(num_train) * pixels * 4,
+            ("num_test", num_test): int(num_test) * pixels * 4,
+        },
+        "templates and images",
+    )
     scale = 1.0 / math.sqrt(1.0 + float(noise) ** 2)  # unit std overall, like a normalised image set
     table = _templates(np.random.default_rng([seed, 0]), num_classes, shape, max_shift) * np.float32(scale)
     key = int(np.random.default_rng([seed, 1]).integers(0, 2**63))

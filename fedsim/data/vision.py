@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from fedsim.checks import integer
-from fedsim.data.base import Dataset
+from fedsim.data.base import Dataset, check_labels
 from fedsim.errors import ConfigError, DataNotFoundError
 
 __all__ = ["FASHION_MNIST_ROOT", "load_cifar10", "load_fashion_mnist", "load_mnist", "read_idx"]
@@ -127,6 +127,8 @@ def _load_idx_set(name, root, seed, max_train, max_test, subdir, norm, how) -> D
                 "matching image (n, 28, 28) and label (n,) IDX files",
                 f"Check the {split} files.",
             )
+        label_file = files[f"{split}-labels-idx1-ubyte"]
+        check_labels(labels, 10, "root", str(folder), label_file.name)
         keep = _subsample(len(labels), cap, rng)
         out[split] = (_normalise(images[keep][:, None], norm), labels[keep].astype(np.int64))
     return Dataset(
@@ -196,12 +198,30 @@ def load_fashion_mnist(
 
 
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    from fedsim.checkpoint import SafeUnpickler, UnsafePickle
+
     try:
-        with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="latin1")  # the files are trusted local data, as in torchvision
+        with open(path, "rb") as f:  # pickles: read by an unpickler that rebuilds data only (never runs code)
+            batch = SafeUnpickler(f, encoding="latin1").load()
         data = np.asarray(batch["data"], dtype=np.uint8)
         labels = np.asarray(batch["labels"], dtype=np.int64)
-    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError):
+    except UnsafePickle as e:
+        raise ConfigError(
+            "root",
+            str(path.parent),
+            "CIFAR-10 batches holding plain data",
+            f"{path.name} holds a pickled {e}, which fedsim does not load; download the batches again.",
+        ) from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+        IndexError,
+        OSError,
+    ):
         data, labels = np.zeros((0, 0), np.uint8), np.zeros(1, np.int64)  # reported below as not a batch
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(labels):
         raise ConfigError(
@@ -210,6 +230,7 @@ def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
             "CIFAR-10 batches with data of shape (n, 3072)",
             f"{path.name} is truncated or not one; download it again.",
         )
+    check_labels(labels, 10, "root", str(path.parent), path.name)
     return data.reshape(-1, 3, 32, 32), labels
 
 

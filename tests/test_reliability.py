@@ -1,0 +1,671 @@
+"""Reliability, round two (issue 16): signals, folder locks, write failures, safe checkpoints, strict input.
+
+Quick tests exercise the pieces (signal guard, lock, recorder, checkpoint reader, reply screening, validation);
+the end-to-end ones (marked slow) run ``fedsim`` as a user does: kill it, point two runs at one folder, fill
+the disk, resume a crafted checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import TINY, compose_cfg, fedsim_cli, read_metrics, run_tiny, without_wall_time
+from omegaconf import open_dict
+
+from fedsim import checkpoint, schema
+from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, critical, signals
+from fedsim.recorder import Recorder, atomic_torch_save, lock_run_folder, unlock_run_folder
+from fedsim.validate import validate
+
+
+def _tmp_files(folder: Path) -> list[str]:
+    return [p.name for p in Path(folder).rglob("*") if p.name.endswith(".tmp")]
+
+
+class _Evil:
+    """Pickles as a call of ``open(path, "w")``: loading it would create ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+# ------------------------------------------------------------------------------------------ signals (item 2)
+def _send(sig: int) -> None:
+    os.kill(os.getpid(), sig)
+    time.sleep(0.05)  # Python runs the handler at the next bytecode boundary
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_sigterm_and_sighup_are_handled_like_ctrl_c(sig):
+    before = signal.getsignal(sig)
+    with pytest.raises(Interrupted) as caught, signals():
+        _send(sig)
+    assert isinstance(caught.value, KeyboardInterrupt) and caught.value.signum == sig
+    assert signal.getsignal(sig) is before  # the previous handler is back
+
+
+def test_a_signal_never_cuts_a_critical_write_and_is_only_noted_once_stopping():
+    done = []
+    with pytest.raises(Interrupted), signals(), critical():
+        _send(signal.SIGTERM)
+        done.append("write finished")  # reached: the signal waits for the section to end
+    assert done == ["write finished"]
+    with signals() as guard:
+        guard.stopping()
+        _send(signal.SIGINT)  # while the outputs are written: noted, not raised
+        assert guard.first == signal.SIGINT
+
+
+# ------------------------------------------------------------------------------------ run folder lock (item 1)
+def test_a_folder_held_by_a_live_process_is_refused(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'4242\\n'); print('held', flush=True); time.sleep(60)",
+            str(folder / ".fedsim.lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=r"^hydra\.run\.dir=.*Process 4242 is running in it"):
+            lock_run_folder(folder)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_run_folder(folder)  # the kernel dropped the dead holder's lock
+    lock_run_folder(folder)  # the same process again: counted
+    unlock_run_folder(folder)
+    unlock_run_folder(folder)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="a folder fedsim can create and write in"):
+        lock_run_folder(tmp_path / "afile")
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    from fedsim import cli
+
+    monkeypatch.chdir(tmp_path)
+    first = cli.prepare_folders(["seed=1"])
+    second = cli.prepare_folders(["seed=1"])  # the same ${now:...} value: a suffix
+    try:
+        a, b = (Path(x.split("=", 1)[1]) for x in (first[0], second[0]))
+        assert a != b and b.name == a.name + "-1" and a.is_dir() and b.is_dir()
+    finally:
+        for x in (first, second):
+            unlock_run_folder(Path(x[0].split("=", 1)[1]))
+
+
+# ---------------------------------------------------------------------------------- write failures (item 3)
+def test_a_failed_metrics_write_names_the_file_and_keeps_whole_lines(tmp_path, monkeypatch):
+    rec = Recorder(tmp_path, 5, quiet=True)
+    rec.log({schema.ROUND: 0, schema.EVAL_ACCURACY: 0.1, schema.EVAL_LOSS: 2.3})
+    real = os.write
+
+    def half_then_full(fd, data):
+        real(fd, bytes(data)[:7])  # part of the line reaches the disk, then it is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(OutputError, match=r"cannot write .*metrics\.jsonl: the disk is full"):
+        rec.log({schema.ROUND: 1, schema.EVAL_ACCURACY: 0.2, schema.EVAL_LOSS: 2.0})
+    monkeypatch.setattr(os, "write", real)
+    rec.close()
+    assert [r["round"] for r in read_metrics(tmp_path)] == [0]  # no half line left
+
+
+def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OutputError, match=r"cannot write .*model\.pt: the disk is full"):
+        atomic_torch_save({"w": torch.zeros(3)}, tmp_path / "model.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_progress_line_survives_a_diverged_loss():
+    rec = Recorder.__new__(Recorder)
+    rec.num_rounds = 3
+    line = rec.progress_line({"round": 2, "eval_accuracy": 0.1, "eval_loss": None, "wall_time": 1.0})
+    assert "loss nan" in line
+
+
+# --------------------------------------------------------------------------------- strict input (items 4, 8)
+def test_on_off_keys_take_only_true_or_false():
+    assert compose_cfg("quiet=no").quiet == "no"  # what Hydra hands over: a string, not a bool
+    base = compose_cfg()
+    for key, value in [
+        ("quiet", "no"),
+        ("stop_at_target", "no"),
+        ("federated_eval", "no"),
+        ("quiet", "maybe"),
+        ("quiet", 1),
+        ("heterogeneity.partial_work", "yes"),
+        ("placement.deterministic", "off"),
+    ]:
+        cfg = copy.deepcopy(base)
+        with open_dict(cfg):
+            node, _, leaf = key.rpartition(".")
+            (cfg[node] if node else cfg)[leaf] = value
+        with pytest.raises(ConfigError, match=f"^{key}={value!r} is not allowed: expected true or false"):
+            validate(cfg)
+
+
+def test_seed_beyond_64_bits_and_a_missing_group_are_config_errors():
+    cfg = compose_cfg()
+    with open_dict(cfg):
+        cfg.seed = 2**64
+    with pytest.raises(ConfigError, match=r"^seed=18446744073709551616 is not allowed"):
+        validate(cfg)
+    cfg.seed = 2**64 - 1
+    validate(cfg)
+    with open_dict(cfg):
+        del cfg["strategy"]
+    with pytest.raises(ConfigError, match=r"^strategy=None is not allowed: expected one of .*fedavg"):
+        validate(cfg)
+
+
+def _write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+def test_labels_out_of_range_are_one_line_naming_the_file(tmp_path):
+    from fedsim.data.base import Dataset
+    from fedsim.data.vision import load_mnist
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20), ("t10k", 10)):
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte", rng.integers(0, 255, (n, 28, 28)))
+        labels = rng.integers(0, 10, n)
+        if split == "t10k":
+            labels[3] = 255
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", labels)
+    with pytest.raises(ConfigError, match=r"^root=.*t10k-labels-idx1-ubyte holds label 255"):
+        load_mnist(str(tmp_path), seed=0)
+    x = np.zeros((4, 2), np.float32)
+    with pytest.raises(ConfigError, match=r"class labels in \[0, 10\).*holds label 10"):
+        Dataset("mine", x, np.array([0, 1, 2, 10]), x, np.arange(4), 10, (2,))
+
+
+def test_a_data_set_too_big_for_memory_is_refused_before_it_is_built():
+    from fedsim.data.synthetic_images import synthetic_images
+
+    with pytest.raises(ConfigError, match=r"^num_classes=100000000 is not allowed: .* fit in memory"):
+        synthetic_images(seed=0, num_classes=10**8)  # was: killed by the kernel's out-of-memory killer
+    with pytest.raises(ConfigError, match=r"^num_train=10000000000 is not allowed"):
+        synthetic_images(seed=0, num_train=10**10)
+
+
+def test_a_group_level_error_is_named_once():
+    from fedsim.faults import FaultRates
+    from fedsim.groups import typed
+
+    with pytest.raises(ConfigError, match=r"^faults=\{.*expected rates that sum to at most 1"):
+        typed("faults", FaultRates, {"error": 0.6, "nan": 0.6})  # was: faults.faults={...}
+
+
+def test_a_crafted_cifar_batch_runs_nothing(tmp_path):
+    from fedsim.data.vision import load_cifar10
+
+    marker = tmp_path / "pwned"
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {"data": rng.integers(0, 255, (2, 3072), dtype=np.uint8), "labels": [0, 1]}
+        if name == "data_batch_2":
+            batch["extra"] = _Evil(marker)
+        (tmp_path / name).write_bytes(pickle.dumps(batch))
+    with pytest.raises(ConfigError, match=r"^root=.*data_batch_2 holds a pickled"):
+        load_cifar10(str(tmp_path), seed=0)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------- safe checkpoints (item 7)
+def _plain_checkpoint(**changes) -> dict:
+    ckpt = {
+        "format": 3,
+        "round": 1,
+        "sim_time": 0.0,
+        "extra": {},
+        "arrays": {"w": torch.zeros(2)},
+        "strategy_state": None,
+        "strategy_pickle": None,
+        "records": [],
+        "config": None,
+    }
+    ckpt.update(changes)
+    return ckpt
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_is_one_line_naming_it(tmp_path):
+    marker = tmp_path / "pwned"
+    cases = {
+        "top.pt": _plain_checkpoint(extra={"x": _Evil(marker)}),
+        "inner.pt": _plain_checkpoint(strategy_state={"inner_pickle": pickle.dumps(_Evil(marker))}),
+        "old.pt": _plain_checkpoint(format=2, strategy_pickle=pickle.dumps(_Evil(marker), protocol=0)),
+    }
+    for name, ckpt in cases.items():
+        torch.save(ckpt, tmp_path / name)
+        with pytest.raises(
+            ConfigError, match=rf"^resume=.*{name}.*(nothing of it was run|it was not loaded)"
+        ) as err:
+            checkpoint.load(tmp_path / name)
+        assert "\n" not in str(err.value)
+        assert not marker.exists(), name
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path):
+    good = tmp_path / "good.pt"
+    torch.save(_plain_checkpoint(), good)
+    data = good.read_bytes()
+    for name, content in {
+        "empty.pt": b"",
+        "truncated.pt": data[: len(data) // 2],
+        "random.pt": np.random.default_rng(0).bytes(5000),
+    }.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ConfigError, match=rf"^resume=.*{name}.* is damaged or not a checkpoint"):
+            checkpoint.load(tmp_path / name)
+    assert checkpoint.load(good)["round"] == 1
+
+
+def test_an_old_checkpoint_with_a_pickled_strategy_still_loads(tmp_path):
+    """Format 2 pickled strategies without state_dict; that pickle is read safely, not refused."""
+    from fedsim.strategies import base
+    from fedsim.strategies.fedavg import FedAvg
+
+    old = _plain_checkpoint(format=2, strategy_pickle=base.pickle(FedAvg(fraction_evaluate=0.0)))
+    torch.save(old, tmp_path / "old.pt")
+    restored = checkpoint.restore(checkpoint.load(tmp_path / "old.pt"), _State(), object())
+    assert isinstance(restored, FedAvg) and restored.fraction_evaluate == 0.0
+
+
+class _State:
+    def carry(self, extra):
+        self.extra = extra
+
+
+def test_resume_below_the_checkpoints_round_is_refused():
+    with pytest.raises(ConfigError, match=r"^num_rounds=3 is not allowed: expected an integer >= 5"):
+        checkpoint.check_rounds({"round": 5}, 3, "run/checkpoint.pt")
+    checkpoint.check_rounds({"round": 5}, 5, "run/checkpoint.pt")
+
+
+# ------------------------------------------------------------------------------ foreign replies (item 12)
+def _reply(content, node=7):
+    from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+    from strategy_helpers import server_identity
+
+    with server_identity():
+        msg = Message(RecordDict({"config": ConfigRecord({})}), node, MessageType.TRAIN)
+    msg.metadata.__dict__["_message_id"] = f"m{node}"
+    return Message(content, reply_to=msg)
+
+
+def test_foreign_or_malformed_replies_are_counted_failures_naming_what_is_missing():
+    from flwr.app import MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    from fedsim.grid_utils import screen_replies
+
+    f32 = np.float32
+    ref = record({"fc.weight": np.zeros((2, 3), f32), "fc.bias": np.zeros(2, f32)})
+    ok_metrics = MetricRecord({"num-examples": 10, "partition-id": 1, "train-loss": 0.5})
+    float64 = record({"fc.weight": np.zeros((2, 3)), "fc.bias": np.zeros(2, f32)})
+    renamed = record({"layer.0.weight": np.zeros((2, 3), f32)})
+    replies = [
+        _reply(RecordDict({"arrays": ref, "metrics": MetricRecord({"num-examples": 10})})),  # not fedsim's
+        _reply(RecordDict({"arrays": ref})),
+        _reply(RecordDict({"arrays": renamed, "metrics": ok_metrics})),
+        _reply(RecordDict({"arrays": float64, "metrics": ok_metrics})),
+        _reply(RecordDict({"arrays": ref, "metrics": ok_metrics})),
+    ]
+    valid, failures = screen_replies(replies, ref)
+    assert len(valid) == 1
+    kinds = [k for k, _ in failures]
+    assert kinds == ["malformed", "malformed", "shape", "dtype"]
+    assert "'partition-id'" in failures[0][1] and "node 7" in failures[0][1]
+    assert "MetricRecord 'metrics'" in failures[1][1]
+    assert (
+        "missing 'fc.bias', 'fc.weight'" in failures[2][1] and "unexpected 'layer.0.weight'" in failures[2][1]
+    )
+    assert "'fc.weight' is float64" in failures[3][1]
+
+
+# ------------------------------------------------------------------------------------------ BLAS (item 11)
+def test_server_side_synthetic_data_is_built_with_one_blas_thread(monkeypatch):
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    from fedsim.data import synthetic as mod
+
+    seen = []
+    real = mod._generate
+
+    def spy(*args, **kwargs):
+        seen.extend(i["num_threads"] for i in threadpoolctl.threadpool_info() if i["user_api"] == "blas")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "_generate", spy)
+    ds = mod.synthetic(seed=0, num_users=2, dim=4)
+    assert ds.x_train.shape[1] == 4 and seen and set(seen) == {1}
+
+
+# ====================================================================================== end to end (slow)
+@pytest.mark.slow
+def test_sigterm_leaves_outputs_that_resume_to_the_uninterrupted_result(tmp_path):
+    """`kill -TERM` of `fedsim num_rounds=200 checkpoint_every=0`: checkpoint.pt, model.pt and summary.json
+    (interrupted, exit 143); resuming gives the uninterrupted run's metrics and model bit for bit."""
+    over = ["num_rounds=200", "checkpoint_every=0", "quiet=true"]
+    full = fedsim_cli(*over, "hydra.run.dir=full", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    proc = fedsim_cli(*over, "hydra.run.dir=part", cwd=tmp_path, background=True)
+    metrics = tmp_path / "part" / "metrics.jsonl"
+    for _ in range(1200):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 30:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "fedsim: interrupted by SIGTERM" in err
+    part = tmp_path / "part"
+    summary = json.loads((part / "summary.json").read_text())
+    ckpt = torch.load(part / "checkpoint.pt", weights_only=False)
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+    assert 0 < summary["rounds_done"] == ckpt["round"] == read_metrics(part)[-1]["round"] < 200
+    model = torch.load(part / "model.pt")
+    assert all(torch.equal(model[k], ckpt["arrays"][k]) for k in model)
+    assert _tmp_files(part) == []
+    resumed = fedsim_cli(*over, "resume=part", "hydra.run.dir=resumed", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
+        read_metrics(tmp_path / "full")
+    )
+    a, b = torch.load(tmp_path / "resumed" / "model.pt"), torch.load(tmp_path / "full" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_ctrl_c_exits_130_with_its_outputs(tmp_path):
+    proc = fedsim_cli("num_rounds=200", "quiet=true", "hydra.run.dir=run", cwd=tmp_path, background=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for _ in range(1200):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
+
+
+@pytest.mark.slow
+def test_a_second_run_aimed_at_a_live_runs_folder_is_refused_touching_nothing(tmp_path):
+    first = fedsim_cli("num_rounds=150", "quiet=true", "hydra.run.dir=shared", cwd=tmp_path, background=True)
+    run = tmp_path / "shared"
+    for _ in range(1200):
+        if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
+            break
+        time.sleep(0.05)
+    before = {p.relative_to(run): p.read_bytes() for p in (run / ".hydra").iterdir()}
+    second = fedsim_cli("num_rounds=2", "seed=5", "hydra.run.dir=shared", cwd=tmp_path)
+    assert second.returncode == 2, second.stderr
+    lines = [ln for ln in second.stderr.splitlines() if ln.startswith("fedsim:")]
+    assert len(lines) == 1 and "no other live fedsim run is writing to" in lines[0]
+    assert {p.relative_to(run): p.read_bytes() for p in (run / ".hydra").iterdir()} == before
+    _, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rounds_done"] == 150 and summary["config"]["seed"] == 0
+    assert [r["round"] for r in read_metrics(run)] == list(
+        range(151)
+    )  # every line whole, all the first run's
+
+
+@pytest.mark.slow
+def test_a_crafted_checkpoint_creates_no_file_when_resumed(tmp_path):
+    marker = tmp_path / "created_by_checkpoint"
+    torch.save(_plain_checkpoint(extra={"x": _Evil(marker)}), tmp_path / "checkpoint.pt")
+    with pytest.raises(ConfigError, match=r"^resume=.*checkpoint\.pt"):
+        run_tiny(tmp_path / "run", f"resume={tmp_path / 'checkpoint.pt'}")
+    res = fedsim_cli(*TINY, f"resume={tmp_path / 'checkpoint.pt'}", "hydra.run.dir=cli", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert not marker.exists() and not (tmp_path / "cli" / ".hydra").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_checkpoint_write_leaves_outputs_of_one_round(tmp_path, monkeypatch):
+    real = torch.save
+    writes = {"n": 0}
+
+    def save(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and "format" in obj:
+            writes["n"] += 1
+            if writes["n"] == 3:  # round 3's checkpoint: Ctrl-C arrives in the middle of the write
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    summary = run_tiny(tmp_path, "num_rounds=5", "checkpoint_every=1")
+    monkeypatch.setattr(torch, "save", real)
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == on_disk["status"] == "interrupted"
+    assert on_disk["rounds_done"] == ckpt["round"] == read_metrics(tmp_path)[-1]["round"] == 2
+    model = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(model[k], ckpt["arrays"][k]) for k in model)
+    assert _tmp_files(tmp_path) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quiet", ["true", "false"])
+def test_a_diverging_model_fails_with_the_reason_keeping_the_last_finite_one(tmp_path, quiet):
+    with pytest.raises(RunError, match="no longer finite after round 1") as err:
+        run_tiny(tmp_path, "strategy=fedavgm", "strategy.server_learning_rate=1e30", f"quiet={quiet}")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == str(err.value)
+    assert all(torch.isfinite(v).all() for v in torch.load(tmp_path / "model.pt").values())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["heterogeneity.deadline=1e-9"],
+        [
+            "faults=mixed",
+            "faults.error=0.5",
+            "faults.dtype=0.5",
+            "faults.nan=0",
+            "faults.shape=0",
+            "faults.timeout=0",
+        ],
+        ["heterogeneity=lognormal", "heterogeneity.dropout_prob=1.0"],
+    ],
+    ids=["deadline", "faults_sum_to_1", "dropouts"],
+)
+def test_a_run_that_aggregated_nothing_fails(tmp_path, over):
+    with pytest.raises(RunError, match="no round aggregated an update: all 2 round"):
+        run_tiny(tmp_path, *over)
+    assert json.loads((tmp_path / "summary.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.slow
+def test_foreign_client_replies_are_failures_not_a_crash(tmp_path, monkeypatch):
+    from flwr.app import MetricRecord
+
+    import fedsim.client_app as ca
+
+    real = ca.train_reply
+
+    def foreign(*args, **kwargs):
+        rep = real(*args, **kwargs)
+        metrics = rep.content["metrics"]
+        rep.content["metrics"] = MetricRecord({k: v for k, v in metrics.items() if k != "partition-id"})
+        return rep
+
+    monkeypatch.setattr(ca, "train_reply", foreign)
+    with pytest.raises(RunError, match=r"client failures \(malformed\): 6"):
+        run_tiny(tmp_path)
+    assert read_metrics(tmp_path)[1]["failure_kinds"] == {"malformed": 3}
+
+
+@pytest.mark.slow
+def test_a_failed_plot_is_a_warning_and_a_failed_model_write_fails_the_run(tmp_path, monkeypatch):
+    import fedsim.recorder as recorder
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(recorder, "plot_curves", no_space)
+    summary = run_tiny(tmp_path / "plot")
+    assert summary["status"] == "completed" and (tmp_path / "plot" / "summary.json").exists()
+    assert not (tmp_path / "plot" / "curves.png").exists()
+    real = recorder.atomic_torch_save
+
+    def model_fails(obj, path):
+        if Path(path).name == "model.pt":
+            raise recorder.write_error(path, OSError(errno.ENOSPC, "No space left on device"))
+        return real(obj, path)
+
+    import fedsim.run as run_mod
+
+    monkeypatch.setattr(run_mod, "atomic_torch_save", model_fails)
+    with pytest.raises(RunError, match=r"cannot write .*model\.pt: the disk is full"):
+        run_tiny(tmp_path / "model")
+    summary = json.loads((tmp_path / "model" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "model.pt" in summary["error"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_mid_run_is_one_line_and_the_summary_is_written(tmp_path):
+    """A file-size limit stands in for a full disk: checkpoint.pt (60 kB) cannot be written at round 2."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (40_000, 40_000))
+
+    res = fedsim_cli(
+        *TINY,
+        "num_rounds=4",
+        "checkpoint_every=2",
+        "model.hidden=[200]",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        preexec_fn=limit,
+    )
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    failed = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: run failed:")]
+    assert len(failed) == 1 and "checkpoint.pt: File too large" in failed[0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_done"] == 1
+    assert [r["round"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+    assert _tmp_files(tmp_path / "run") == []
+
+
+@pytest.mark.slow
+def test_bad_input_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    cases = [
+        (["quiet=maybe"], "quiet='maybe' is not allowed: expected true or false"),
+        (["stop_at_target=no"], "stop_at_target='no' is not allowed: expected true or false"),
+        (["strategy=null"], "strategy=null is not allowed: expected one of"),
+        (["seed=18446744073709551616"], "seed=18446744073709551616 is not allowed"),
+        (["hydra.run.dir=a_file"], "hydra.run.dir='a_file' is not allowed"),
+        (["client.lr=inf"], "client.lr=inf is not allowed"),
+    ]
+    for over, needle in cases:
+        res = fedsim_cli(*TINY, *over, cwd=tmp_path)
+        lines = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim:")]
+        assert res.returncode == 2 and "Traceback" not in res.stderr, (over, res.stderr)
+        assert len(lines) == 1 and needle in lines[0], (over, res.stderr)
+    assert not list(tmp_path.rglob(".hydra"))  # a refused run leaves no run folder behind
+
+
+@pytest.mark.slow
+def test_a_config_error_in_a_reused_folder_keeps_its_hydra_files(tmp_path):
+    assert fedsim_cli(*TINY, "hydra.run.dir=run", cwd=tmp_path).returncode == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run" / ".hydra").iterdir()}
+    res = fedsim_cli(*TINY, "clients_per_round=30", "hydra.run.dir=run", cwd=tmp_path)
+    assert res.returncode == 2 and "clients_per_round=30 is not allowed" in res.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run" / ".hydra").iterdir()} == before
+
+
+@pytest.mark.slow
+def test_a_refused_in_place_resume_touches_nothing_and_too_few_rounds_are_refused(tmp_path):
+    first = fedsim_cli(*TINY, "num_rounds=3", "checkpoint_every=1", "hydra.run.dir=run", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    overrides = (tmp_path / "run" / ".hydra" / "overrides.yaml").read_bytes()
+    files = {p.name: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
+    res = fedsim_cli(*TINY, "num_rounds=5", "client.lr=0.5", "resume=run", "hydra.run.dir=run", cwd=tmp_path)
+    assert res.returncode == 2 and "client.lr (checkpoint: 0.1, now: 0.5)" in res.stderr
+    assert (tmp_path / "run" / ".hydra" / "overrides.yaml").read_bytes() == overrides
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == files
+    res = fedsim_cli(*TINY, "num_rounds=2", "resume=run", "hydra.run.dir=other", cwd=tmp_path)
+    assert res.returncode == 2 and "num_rounds=2 is not allowed: expected an integer >= 3" in res.stderr
+    assert not (tmp_path / "other").exists()
+    ok = fedsim_cli(
+        *TINY, "num_rounds=4", "checkpoint_every=0", "resume=run", "hydra.run.dir=run", cwd=tmp_path
+    )
+    assert ok.returncode == 0, ok.stderr  # in place: the checkpoint is replaced by one of round 4
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["round"] == 4
+
+
+@pytest.mark.slow
+def test_joblib_sweeps_exit_non_zero_on_a_failed_job_and_summarise_only_their_jobs(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    import csv
+
+    common = ["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", *TINY, "num_rounds=1"]
+    res = fedsim_cli(*common, "clients_per_round=2,7,3", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert res.returncode == 1 and "1 run(s) of the sweep failed" in res.stderr, res.stderr
+    res = fedsim_cli(*common, "clients_per_round=2", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "completed")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "over",
+    [
+        ["strategy=fedavg"],
+        ["strategy=fedavgm"],
+        ["strategy=fedadam", "clipping=adaptive", "clipping.noise_multiplier=0.5", "clipping.noise_seed=3"],
+        ["strategy=fedavg", "clipping=fixed"],
+        ["strategy=krum", "clients_per_round=5", "strategy.num_malicious=0"],
+        ["strategy=fedbuff"],
+    ],
+    ids=lambda o: "-".join(x.split("=")[1] for x in o[:2]),
+)
+def test_every_strategys_checkpoint_is_plain_data_and_resumes(tmp_path, over):
+    run_tiny(tmp_path / "a", *over, "checkpoint_every=1")
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "a" / "checkpoint.pt")
+    assert all(n.startswith("numpy") for n in names), names  # numpy arrays only: allowed explicitly
+    ckpt = checkpoint.load(tmp_path / "a")
+    assert ckpt["format"] == checkpoint.FORMAT and ckpt["strategy_pickle"] is None
+    assert run_tiny(tmp_path / "b", *over, "num_rounds=3", f"resume={tmp_path / 'a'}")["rounds_done"] == 3
