@@ -511,10 +511,23 @@ def _exit(status: int) -> None:
     """Exit with ``status`` after an interrupted run, whose outputs are written.
 
     With Ray loaded, its C++ runtime aborts the interpreter's teardown after a signal (exit status -6 instead
-    of 128 + N); Ray was shut down by the run, so the process ends here without that teardown.
+    of 128 + N): once the simulation's threads have stopped, Ray is shut down here (so that its processes do
+    not outlive the run) and the process ends without that teardown.
     """
     if "ray" not in sys.modules:
         sys.exit(status)
+    import threading
+
+    for thread in threading.enumerate():  # Flower's simulation threads stop once their stop event is set
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(timeout=10)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    except Exception as e:  # noqa: BLE001  (the outputs are written; this only tidies up)
+        print(f"fedsim: Ray did not shut down cleanly: {e}", file=sys.stderr)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

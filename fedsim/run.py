@@ -288,7 +288,12 @@ class Run:
         stop.set()
         if self._server_started.is_set() and not self._server_done.wait(wait):
             log.warning("the server loop did not stop within %.0f s; writing the outputs anyway", wait)
-        try:  # the interrupted simulation did not shut Ray down (its processes would outlive the run)
+        # Flower's simulation threads (message workers) end once its stop event is set; Ray is shut down only
+        # when they have: shutting it down under a thread still waiting on an actor can crash the process
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join(timeout=10)
+        try:
             import ray
 
             if ray.is_initialized():

@@ -71,6 +71,25 @@ def test_a_signal_never_cuts_a_critical_write_and_is_only_noted_once_stopping():
         assert guard.first == signal.SIGINT
 
 
+def test_after_an_interrupted_run_the_command_line_ignores_further_signals(monkeypatch):
+    """A third Ctrl-C while the process exits used to kill it (exit status -2 instead of 130)."""
+    import fedsim.errors as errors
+
+    monkeypatch.setattr(errors, "IGNORE_AFTER_INTERRUPT", True)
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    before = {s: signal.getsignal(s) for s in sigs}
+    try:
+        with pytest.raises(Interrupted), signals():
+            _send(signal.SIGINT)
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in sigs)
+    finally:
+        for s, handler in before.items():  # (ignored signals would be inherited by later test subprocesses)
+            signal.signal(s, handler)
+    with signals():
+        pass  # no signal: the previous handlers come back
+    assert {s: signal.getsignal(s) for s in sigs} == before
+
+
 # ------------------------------------------------------------------------------------ run folder lock (item 1)
 def test_a_folder_held_by_a_live_process_is_refused(tmp_path):
     folder = tmp_path / "run"
@@ -419,6 +438,30 @@ def test_ctrl_c_exits_130_with_its_outputs(tmp_path):
     assert proc.returncode == 130 and "Traceback" not in err, err
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["signal"] == "SIGINT"
+
+
+@pytest.mark.slow
+def test_sigterm_on_the_ray_engine_is_an_interrupt_too(tmp_path):
+    """Ray's driver replaced fedsim's SIGTERM handler (sys.exit(15): status failed, then an abort), and its
+    ServerApp thread kept an interrupted process alive; now: interrupted, exit 143, the process ends."""
+    over = [*TINY, "num_rounds=300", "engine=ray", "hydra.run.dir=run"]
+    proc = fedsim_cli(*over, cwd=tmp_path, background=True, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for _ in range(3000):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 143, err[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert ckpt["round"] == summary["rounds_done"] == read_metrics(tmp_path / "run")[-1]["round"]
 
 
 @pytest.mark.slow
