@@ -432,6 +432,15 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             clients_per_round=clients_per_round,
             seed=int(cfg.seed),
         )
+    if cfg.get("attack") is not None and cfg.attack.get("_target_"):  # outermost: clipping sees the attack
+        strategy = _instantiate(
+            "attack",
+            cfg.attack,
+            strategy=strategy,
+            num_clients=int(cfg.num_clients),
+            clients_per_round=clients_per_round,
+            seed=int(cfg.seed),
+        )
     return strategy
 
 
@@ -449,6 +458,12 @@ def _check_async(cfg: DictConfig, strategy) -> None:
         )
     if cfg.get("federated_eval"):
         raise ConfigError("federated_eval", True, "false with an asynchronous strategy")
+    if cfg.get("attack") is not None and cfg.attack.get("_target_"):
+        raise ConfigError(
+            "attack",
+            cfg.attack._target_.rsplit(".", 1)[-1],
+            "none with an asynchronous strategy (attacks wrap synchronous aggregation)",
+        )
 
 
 def build_heterogeneity(cfg: DictConfig, num_clients: int):

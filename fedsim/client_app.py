@@ -13,10 +13,10 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedsim import keys
+from fedsim import attacks, keys
 from fedsim.algorithms.base import LocalRun
 from fedsim.algorithms.state import ClientState, ContextState, DirectoryState
-from fedsim.build import ClientTask, client_algorithm, client_task
+from fedsim.build import ClientTask, build_dataset, client_algorithm, client_task
 from fedsim.faults import SimulatedTimeout
 from fedsim.messages import incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
@@ -80,7 +80,7 @@ def train(msg: Message, context: Context) -> Message:
     loss, steps, seen = train_local(
         task.model,
         task.x_train,
-        task.y_train,
+        _labels(task, ins),
         task.local,
         ins.generator(task.seed, task.partition_id),
         max_steps=ins.max_steps,
@@ -107,6 +107,13 @@ def train(msg: Message, context: Context) -> Message:
         extra=extra,
         outgoing=run.outgoing,
     )
+
+
+def _labels(task: ClientTask, ins) -> torch.Tensor:
+    """The training labels: flipped (``C - 1 - y``) when ``attack=label_flip`` names this client an attacker."""
+    if task.partition_id not in (ins.unhandled.get(attacks.LABEL_FLIP) or ()):
+        return task.y_train
+    return attacks.flip_labels(task.y_train, build_dataset(json.loads(ins.spec)).num_classes)
 
 
 def _state_store(context: Context, partition_id: int, index: int) -> ClientState:

@@ -36,6 +36,7 @@ CLIPPED = "clipped"
 UPDATE_NORM = "update_norm"
 NOISE_STD = "noise_std"
 EPSILON = "epsilon"
+MALICIOUS = "malicious"
 
 # Fields measured on the wall clock: they differ between two runs that compute the same thing.
 WALL_CLOCK = (WALL_TIME, ROUND_TIME)
@@ -71,6 +72,7 @@ FIELDS: dict[str, str] = {
     UPDATE_NORM: "client-side clipping without noise (or with `clipping.debug_metrics`): mean update norm before clipping",
     NOISE_STD: "clipping: standard deviation of the Gaussian noise",
     EPSILON: "DP: epsilon spent so far at `clipping.delta`",
+    MALICIOUS: "attack: replies of the round that came from malicious clients (`attack=`)",
 }
 
 

@@ -29,6 +29,9 @@ class Purpose(IntEnum):
     DROPOUT = 12  # a client dropping out of a task: (seed, 12, partition, task)
     STRAGGLER = 13  # a client straggling on a task: (seed, 13, partition, task)
     ASYNC_TASK = 21  # the asynchronous loop's choice of the next client: (seed, 21, task)
+    MALICIOUS = 31  # the attack's fixed set of malicious clients: (seed, 31)
+    ATTACK_NOISE = 32  # the gaussian attack's random updates: (seed, 32, round, partition)
+    SELECTION = 33  # client selection's candidates (power of choice): (seed, 33, round)
 
 
 def rng(seed: int, purpose: Purpose, *keys: int) -> np.random.Generator:

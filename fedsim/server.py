@@ -205,6 +205,9 @@ def run_sync(
             schema.NUM_CLIENTS: len(valid),
             **failure_fields(failures, f"round {rnd}", "client"),
         }
+        malicious = base.malicious_count(strategy, [_pid(r) for r in valid])
+        if malicious is not None:  # attack=: replies from attackers among the valid ones
+            record[schema.MALICIOUS] = malicious
         fates = Counter(p.fate for p in plans.values())
         for fate, field_name in (
             ("dropout", schema.DROPPED_OUT),

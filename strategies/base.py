@@ -22,6 +22,8 @@ capability                    meaning
                               sampling, which the privacy accountant must match).
 :class:`ReportsSummary`       ``summary_fields()`` returns entries for summary.json (e.g. the privacy
                               guarantee: epsilon, delta, accountant, sampling).
+:class:`CountsMalicious`     ``malicious_among(partition_ids)``: how many of a round's replies came from
+                              attackers (``fedsim.attacks``; metrics.jsonl field ``malicious``).
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
                               strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
 ============================  ===============================================================================
@@ -61,6 +63,13 @@ class SamplesCohort(Protocol):
     """A strategy that draws each round's cohort itself (sorted partition ids)."""
 
     def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int]: ...
+
+
+@runtime_checkable
+class CountsMalicious(Protocol):
+    """A strategy that knows which clients attack (``fedsim.attacks``)."""
+
+    def malicious_among(self, partition_ids: Iterable[int]) -> int: ...
 
 
 @runtime_checkable
@@ -104,9 +113,15 @@ def sample_cohort(
     strategy: object, server_round: int, num_clients: int, clients_per_round: int
 ) -> list[int] | None:
     """The strategy's own cohort for ``server_round`` (sorted partition ids), or None to let the loop draw it."""
-    if isinstance(strategy, SamplesCohort):
-        return sorted(int(p) for p in strategy.sample_cohort(server_round, num_clients, clients_per_round))
+    if isinstance(strategy, SamplesCohort):  # a wrapper may answer None: its inner strategy draws none either
+        cohort = strategy.sample_cohort(server_round, num_clients, clients_per_round)
+        return None if cohort is None else sorted(int(p) for p in cohort)
     return None
+
+
+def malicious_count(strategy: object, partition_ids: Iterable[int]) -> int | None:
+    """How many of ``partition_ids`` are attackers, or None when the run has no attack."""
+    return int(strategy.malicious_among(partition_ids)) if isinstance(strategy, CountsMalicious) else None
 
 
 def summary_fields(strategy: object) -> dict[str, Any]:
