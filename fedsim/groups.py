@@ -63,18 +63,22 @@ class Placement:
         integer("threads_per_client", self.threads_per_client, 1)
 
 
-ENGINES = ("inprocess", "vectorized", "ray")
+ENGINES = ("auto", "inprocess", "vectorized", "ray")
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """What runs the ClientApp (the ``engine`` group); each engine reads its own keys."""
+    """What runs the ClientApp (the ``engine`` group); each engine reads its own keys.
 
-    name: str = "inprocess"
-    workers: int = 1  # inprocess: 1 sequential, N > 1 worker processes
-    threads: int | None = None  # vectorized: torch threads while a cohort trains (None: all cores)
-    max_cohort: int = 0  # vectorized: at most this many clients per batched step (0: no limit)
-    vmap_conv_cpu: bool = False  # vectorized: batch conv nets on the CPU too
+    ``auto`` is the vectorized engine, which batches every train message it can and runs the rest (other
+    client algorithms, optimisers, faults, models) through the ClientApp, on ``workers`` processes if > 1.
+    """
+
+    name: str = "auto"
+    workers: int = 1  # inprocess, auto: 1 sequential, N > 1 worker processes (auto: for unbatched clients)
+    threads: int | None = None  # vectorized, auto: torch threads while a cohort trains (None: all cores)
+    max_cohort: int = 0  # vectorized, auto: at most this many clients per batched step (0: no limit)
+    vmap_conv_cpu: bool = False  # vectorized, auto: batch non-Sequential conv nets on the CPU too (vmap)
     address: str | None = None  # ray: join a running cluster ("auto" or HOST:PORT)
     num_cpus: int | None = None  # ray: CPUs Ray may use locally
     num_gpus: int | None = None  # ray: GPUs Ray may use locally

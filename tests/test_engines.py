@@ -8,7 +8,7 @@ from helpers import read_metrics, run_tiny, without_wall_time
 @pytest.mark.slow
 def test_ray_engine_matches_inprocess(tmp_path):
     over = ["seed=2", "num_rounds=3", "placement.num_cpus_per_client=1"]
-    run_tiny(tmp_path / "inproc", *over)
+    run_tiny(tmp_path / "inproc", "engine=inprocess", *over)
     summary = run_tiny(tmp_path / "ray", "engine=ray", *over)
     assert summary["engine"] == "ray" and summary["rounds_done"] == 3
     import ray
@@ -34,7 +34,7 @@ def test_async_loop_gives_identical_metrics_on_ray_and_inprocess(tmp_path):
         "num_rounds=4",
         "placement.num_cpus_per_client=1",
     ]
-    run_tiny(tmp_path / "inproc", *over)
+    run_tiny(tmp_path / "inproc", "engine=inprocess", *over)
     run_tiny(tmp_path / "ray", "engine=ray", *over)
     a, b = read_metrics(tmp_path / "inproc"), read_metrics(tmp_path / "ray")
     assert [r["staleness_max"] for r in a[1:]] == [r["staleness_max"] for r in b[1:]]

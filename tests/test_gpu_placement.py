@@ -136,7 +136,7 @@ def test_fake_ray_gpus_zero_share_actors_see_no_gpu(tmp_path):
 def test_out_of_memory_shrinks_the_batch_once_and_results_do_not_change(tmp_path, monkeypatch, caplog):
     """An injected out-of-memory error above 2 clients per batch: batches of 1, logged once, same results."""
     over = ["num_rounds=3", "num_clients=6", "clients_per_round=4"]
-    run_tiny(tmp_path / "seq", *over)
+    run_tiny(tmp_path / "seq", "engine=inprocess", *over)
     sizes = []
     original = vectorized._train_bucket
 
@@ -277,7 +277,7 @@ def _cnn_runs(tmp_path, device: str, deterministic: bool):
         f"placement.deterministic={str(deterministic).lower()}",
         "client.local_steps=3",
     ]
-    run_tiny(tmp_path / "seq", *over)
+    run_tiny(tmp_path / "seq", "engine=inprocess", *over)
     run_tiny(tmp_path / "vec", "engine=vectorized", "engine.vmap_conv_cpu=true", *over)
     tol = build.agreement_tolerance(device, deterministic, 3 * 2)
     a, b = torch.load(tmp_path / "seq" / "model.pt"), torch.load(tmp_path / "vec" / "model.pt")

@@ -50,9 +50,9 @@ def started(monkeypatch):
 @pytest.mark.slow  # starts worker processes
 def test_two_workers_give_the_sequential_run(tmp_path, started):
     over = ["num_rounds=3", "faults=mixed"]  # injected errors and NaNs must come back the same way too
-    run_tiny(tmp_path / "seq", *over)
+    run_tiny(tmp_path / "seq", "engine=inprocess", *over)
     assert not started
-    summary = run_tiny(tmp_path / "pool", "engine.workers=2", *over)
+    summary = run_tiny(tmp_path / "pool", "engine=inprocess", "engine.workers=2", *over)
     assert summary["engine"] == "inprocess"
     assert without_wall_time(read_metrics(tmp_path / "seq")) == without_wall_time(
         read_metrics(tmp_path / "pool")

@@ -55,7 +55,7 @@ def test_setting_has_uneven_clients_and_partial_batches():
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_matches_sequential_inprocess(tmp_path, case, batched_clients):
     over = ["num_rounds=3", *CASES[case]]
-    run_tiny(tmp_path / "seq", *over)
+    run_tiny(tmp_path / "seq", "engine=inprocess", *over)
     assert not batched_clients
     summary = run_tiny(tmp_path / "vec", "engine=vectorized", *over)
     assert summary["engine"] == "vectorized"
@@ -64,7 +64,7 @@ def test_matches_sequential_inprocess(tmp_path, case, batched_clients):
 
 
 def test_unsupported_optimizer_falls_back_to_the_client_app(tmp_path, batched_clients):
-    run_tiny(tmp_path / "seq", "client=adam")
+    run_tiny(tmp_path / "seq", "client=adam", "engine=inprocess")
     run_tiny(tmp_path / "vec", "client=adam", "engine=vectorized")
     assert not batched_clients
     assert without_wall_time(read_metrics(tmp_path / "seq")) == without_wall_time(
@@ -95,10 +95,11 @@ def test_models_it_cannot_batch_are_named():
         nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), "cpu", False
     )
     assert "dropout" in vectorized.unsupported(nn.Sequential(nn.Linear(2, 2), nn.Dropout()), "cpu", False)
-    conv = nn.Sequential(nn.Conv2d(1, 2, 3))
+    conv = nn.Sequential(nn.Sequential(nn.Conv2d(1, 2, 3)))  # nested: not for fedsim.engines.grouped
     assert "convolutions" in vectorized.unsupported(conv, "cpu", False)
     assert vectorized.unsupported(conv, "cpu", True) is None
     assert vectorized.unsupported(conv, "cuda", False) is None
+    assert vectorized.unsupported(nn.Sequential(nn.Conv2d(1, 2, 3)), "cpu", False) is None  # grouped
 
 
 def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(tmp_path, monkeypatch, batched_clients):
@@ -128,3 +129,72 @@ def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(tmp_path, m
     run_tiny(tmp_path, "engine=vectorized")
     assert not batched_clients  # every train message went through the ClientApp
     assert seen_keys and all(k == {"my-client-knob": 0.5} for k in seen_keys)
+
+
+# ------------------------------------------------------------------ grouped convolutions, engine=auto
+def _grouped_case(model: nn.Sequential, x: torch.Tensor, k: int = 3):
+    """Per-client logits and gradients vs ``grouped_forward`` on ``k`` clients with different weights."""
+    from fedsim.engines.grouped import grouped_forward
+
+    gen = torch.Generator().manual_seed(0)
+    names = [n for n, _ in model.named_parameters()]
+    stacked = {
+        n: (p.detach() + 0.1 * torch.randn((k, *p.shape), generator=gen)).requires_grad_()
+        for n, p in model.named_parameters()
+    }  # (k, *shape)
+    xs = x.expand(k, *x.shape).clone() + torch.randn((k, *x.shape), generator=gen)  # (k, batch, *input)
+    out = grouped_forward(model)(stacked, xs)  # (k, batch, classes)
+    grads = torch.autograd.grad(out.square().sum(), [stacked[n] for n in names])
+    for i in range(k):
+        own = {n: stacked[n][i].detach().clone().requires_grad_() for n in names}
+        ref = torch.func.functional_call(model, own, (xs[i],))  # (batch, classes)
+        torch.testing.assert_close(out[i], ref, rtol=1e-5, atol=1e-5)
+        ref_grads = torch.autograd.grad(ref.square().sum(), [own[n] for n in names])
+        for n, g, r in zip(names, grads, ref_grads):
+            torch.testing.assert_close(g[i], r, rtol=1e-4, atol=1e-5, msg=f"client {i}, {n}")
+
+
+def test_grouped_forward_is_each_clients_own_forward_and_gradient():
+    from fedsim.models import cnn
+
+    _grouped_case(cnn((1, 12, 12), 5, channels=(4, 6), hidden=8), torch.randn(4, 1, 12, 12))
+    _grouped_case(cnn((8, 8), 10, channels=(3,), hidden=7), torch.randn(5, 64))  # digits: Unflatten first
+    odd = nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2, padding=2, dilation=2, groups=2, bias=False),
+        nn.Tanh(),
+        nn.AvgPool2d(2),
+        nn.Conv2d(4, 3, 1),
+        nn.Flatten(),
+        nn.Linear(3 * 2 * 2, 3, bias=False),
+    )
+    _grouped_case(odd, torch.randn(2, 2, 9, 9))
+
+
+def test_grouped_supports_only_plain_sequential_conv_nets():
+    from fedsim.engines.grouped import supports
+
+    assert supports(nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), nn.Flatten(), nn.Linear(2, 2)))
+    assert not supports(nn.Sequential(nn.Flatten(), nn.Linear(4, 2)))  # no conv: vmap does it
+    assert not supports(nn.Sequential(nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect")))
+    assert not supports(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(0)))
+    assert not supports(nn.Sequential(nn.Sequential(nn.Conv2d(1, 2, 3))))
+
+
+def test_auto_is_the_default_and_batches_a_cnn_on_the_cpu(tmp_path, batched_clients):
+    assert compose_cfg().engine.name == "auto"
+    over = ["num_rounds=2", "model=cnn", "model.channels=[4]", "model.hidden=8"]
+    run_tiny(tmp_path / "seq", "engine=inprocess", *over)
+    assert not batched_clients
+    summary = run_tiny(tmp_path / "auto", *over)
+    assert summary["engine"] == "auto"
+    assert len(batched_clients) == 6  # 2 rounds x 3 clients, the conv net batched on the CPU
+    _close(tmp_path / "seq", tmp_path / "auto")
+
+
+def test_auto_runs_what_it_cannot_batch_through_the_client_app_unchanged(tmp_path, batched_clients):
+    run_tiny(tmp_path / "seq", "engine=inprocess", "client=adam")
+    run_tiny(tmp_path / "auto", "client=adam")
+    assert not batched_clients
+    assert without_wall_time(read_metrics(tmp_path / "seq")) == without_wall_time(
+        read_metrics(tmp_path / "auto")
+    )

@@ -6,7 +6,13 @@ simulation engine (``fedsim.engines.ray``); deployment gets its Grid from the Su
 * ``inprocess``: ``fedsim.engines.pool.PoolGrid``, the ClientApp sequentially in the server's process
   (``engine.workers: 1``) or in N persistent worker processes (``engine.workers: N``).
 * ``vectorized``: ``fedsim.engines.vectorized.VectorizedGrid``, a cohort's train messages as one batched
-  model (``torch.func.vmap``); whatever it cannot batch runs like ``inprocess``.
+  model (``torch.func.vmap``, or grouped convolutions for Sequential conv nets on the CPU); whatever it cannot
+  batch runs like ``inprocess``.
+* ``auto`` (the default): the fastest local engine for the run's client work. Every train message that can be
+  batched is (the vectorized engine), the rest go through the ClientApp (on ``engine.workers`` processes when
+  > 1): measured per round on 2 CPU cores, batching is 1.3-2x faster than per-client training for the MLP and
+  the small CNN, and never slower, since what it cannot batch takes the per-client path anyway. Batched
+  results equal the per-client ones to float rounding (summation order), not bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from flwr.serverapp import Grid
 from fedsim.groups import EngineSettings, Placement
 from fedsim.keys import NODE_STATE_DIR
 
-LOCAL_ENGINES = ("inprocess", "vectorized")
+LOCAL_ENGINES = ("auto", "inprocess", "vectorized")
 
 
 def local_grid(settings: EngineSettings, num_clients: int, node_config: dict | None = None) -> Grid:
@@ -31,11 +37,12 @@ def local_grid(settings: EngineSettings, num_clients: int, node_config: dict | N
         from fedsim.engines.pool import PoolGrid
 
         return PoolGrid(num_clients, workers=settings.workers, node_config=node_config)
-    if settings.name == "vectorized":
+    if settings.name in ("vectorized", "auto"):
         from fedsim.engines.vectorized import VectorizedGrid
 
         return VectorizedGrid(
             num_clients,
+            workers=settings.workers if settings.name == "auto" else 1,
             threads=settings.threads,
             max_cohort=settings.max_cohort,
             vmap_conv_cpu=settings.vmap_conv_cpu,

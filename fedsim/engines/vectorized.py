@@ -20,9 +20,11 @@ Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps
 (0 = full batch), ``proximal-mu``. Run through the ordinary ClientApp (sequentially in this process)
 instead, with one log line per reason: non-train messages (query, evaluate), Adam and averaged SGD,
 client-side ``clip-norm``, train-config keys it does not handle (``fedsim.messages``), injected faults, models with buffers (BatchNorm), dropout, frozen or tied
-parameters, and, by default, convolutional models on the CPU: there vmap turns ``conv2d`` into a grouped
-convolution that measured 1.2-3.5x slower than per-client convolutions (``engine.vmap_conv_cpu=true``
-forces it). If batched training raises, its clients are rerun sequentially.
+parameters, and, by default, convolutional models on the CPU that are not a plain ``nn.Sequential`` of
+conv/pool/linear layers: there vmap turns ``conv2d`` into a grouped convolution that measured 1.2-3.5x slower
+than per-client convolutions (``engine.vmap_conv_cpu=true`` forces it). Sequential conv nets on the CPU are
+batched by ``fedsim.engines.grouped`` (grouped convolutions in one layout, a few clients per chunk), faster
+than per client. If batched training raises, its clients are rerun sequentially.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from torch.nn import functional as F
 
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
+from fedsim.engines import grouped
 from fedsim.engines.pool import PoolGrid
 from fedsim.messages import parse_train, train_reply
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
@@ -88,9 +91,13 @@ def unsupported(model: nn.Module, device: str, vmap_conv_cpu: bool) -> str | Non
     if (
         device == "cpu"
         and not vmap_conv_cpu
+        and not grouped.supports(model)
         and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     ):
-        return "convolutions on the CPU are faster per client (engine.vmap_conv_cpu=true forces vmap)"
+        return (
+            "convolutions in a model that is not a plain Sequential of conv/pool/linear layers are faster per "
+            "client on the CPU (engine.vmap_conv_cpu=true forces vmap)"
+        )
     return None
 
 
@@ -106,7 +113,10 @@ class VectorizedGrid(PoolGrid):
     max_cohort : int
         At most this many clients per batched step (0: no limit); bounds activation memory.
     vmap_conv_cpu : bool
-        Also batch convolutional models on the CPU (slower there; see the module docstring).
+        Also batch convolutional models that ``fedsim.engines.grouped`` does not handle on the CPU, with vmap
+        (slower there; see the module docstring).
+    workers : int
+        Worker processes for the messages that run through the ClientApp (1: in this process).
     """
 
     def __init__(
@@ -116,8 +126,9 @@ class VectorizedGrid(PoolGrid):
         max_cohort: int = 0,
         vmap_conv_cpu: bool = False,
         node_config: dict | None = None,
+        workers: int = 1,
     ) -> None:
-        super().__init__(num_nodes, workers=1, node_config=node_config)
+        super().__init__(num_nodes, workers=workers, node_config=node_config)
         self._threads = int(threads or os.cpu_count() or 1)
         self._max_cohort = int(max_cohort)
         self._vmap_conv_cpu = bool(vmap_conv_cpu)
@@ -251,6 +262,8 @@ class VectorizedGrid(PoolGrid):
         size = len(members)
         if self._max_cohort:
             size = min(size, self._max_cohort)
+        if torch.device(device).type == "cpu" and grouped.supports(members[0].task.model):
+            size = min(size, grouped.CPU_CHUNK)  # a few clients at a time: their activations stay in cache
         if device in self._fits:
             size = min(size, self._fits[device])
         per_client = estimate_bytes(members[0].task.model, members[0].task.x_train, members, local, mu)
@@ -362,7 +375,11 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
     bufs: dict[str, torch.Tensor] = {}
     use_momentum = local.optimizer in ("momentum", "nesterov")
     loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
-    forward = vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    forward = (
+        grouped.grouped_forward(model)
+        if torch.device(device).type == "cpu" and grouped.supports(model)
+        else vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    )
     model.train()
     for t in range(steps):
         k = active[t]
