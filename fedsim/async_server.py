@@ -397,7 +397,7 @@ def run_async(
         wall_clock = strategy.wall_clock
     run = AsyncLoop(grid, loop, strategy, state, spec, clock, wall_clock)
     if state.round == 0 and state.async_loop is None:
-        record_initial(state, evaluate_fn, on_round)
+        record_initial(state, evaluate_fn, on_round, loop.metric)
     if state.async_loop is not None:
         run.restore(state.async_loop)
     wall_start = time.perf_counter()
@@ -424,7 +424,7 @@ def run_async(
             record = run.record(wall_start)
             if state.round % loop.eval_every == 0 or state.round == loop.num_rounds:
                 loss_acc = evaluate_finite(evaluate_fn, state, state.round, "version")
-                record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = loss_acc
+                record[schema.EVAL_LOSS], record[schema.eval_field(loop.metric)] = loss_acc
             state.async_loop = _Snapshot(run)
             on_round(record, state)
             if state.round < loop.num_rounds and not state.stop_reason:

@@ -40,6 +40,7 @@ CLIENT_SPEC_KEYS = (
     "model",
     "client",
     "faults",
+    "task",
 )
 
 
@@ -86,6 +87,14 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
             cause = cause.__cause__
         if isinstance(cause, ConfigError):
             raise cause.with_prefix(section) from None
+        if str(e).startswith("Error locating target"):
+            target = node.get("_target_") if hasattr(node, "get") else None
+            raise ConfigError(
+                f"{section}._target_",
+                target,
+                "an importable class or function (module.name)",
+                "Is its module on PYTHONPATH (e.g. PYTHONPATH=. for your own folder)?",
+            ) from None
         raise
     except ConfigError as e:
         raise e.with_prefix(section) from None
@@ -193,7 +202,7 @@ def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
     fn = _instantiate("partitioner", OmegaConf.create(spec["partitioner"]))
     rng = seeded_rng(int(spec["seed"]), Purpose.PARTITION)
     try:
-        parts = fn(ds.y_train, int(spec["num_clients"]), rng, groups=ds.groups)
+        parts = fn(ds.partition_labels(), int(spec["num_clients"]), rng, groups=ds.groups)
     except ConfigError as e:
         raise (e if e.key == "num_clients" else e.with_prefix("partitioner")) from None
     except TypeError as e:  # a partial (`_partial_: true`) gets its keys only when called
@@ -221,6 +230,44 @@ def build_partitions(spec: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per-client (train, val) index arrays for a spec, built once per process."""
     keys = ("seed", "num_clients", "val_fraction", "dataset", "partitioner")
     return _partitions(json.dumps({k: spec[k] for k in keys}, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _task(task_json: str):
+    from fedsim.tasks import CLASSIFICATION, Task
+
+    node = json.loads(task_json)
+    if not node:
+        return CLASSIFICATION
+    task = _instantiate("task", OmegaConf.create(node))
+    missing = [m for m in ("loss", "score", "finish") if getattr(type(task), m, None) is getattr(Task, m)]
+    if not isinstance(task, Task) or missing:
+        raise ConfigError(
+            "task._target_",
+            node.get("_target_"),
+            "a subclass of fedsim.tasks.Task that defines loss, score and finish"
+            + (f" ({', '.join(missing)} missing)" if isinstance(task, Task) else ""),
+        )
+    return task
+
+
+def build_task(spec: dict):
+    """The run's task (``fedsim.tasks``): its loss and metric; classification when the spec names none."""
+    return _task(json.dumps(spec.get("task") or {}, sort_keys=True))
+
+
+def check_task(task, ds: Dataset, dataset_name: object) -> None:
+    """Refuse a task whose kind of labels is not the data set's (e.g. regression targets with accuracy)."""
+    if task.targets != ds.targets:
+        kind = {"classes": "class labels", "values": "real-valued targets"}
+        raise ConfigError(
+            "task",
+            task.name,
+            f"a task for {kind.get(ds.targets, ds.targets)} (the labels of dataset {dataset_name})",
+            f"{task.name} learns from {kind.get(task.targets, task.targets)}: use "
+            + ("task=regression" if ds.targets == "values" else "task=classification")
+            + " with this data set, or another data set.",
+        )
 
 
 def model_factory(spec: dict):
@@ -337,6 +384,7 @@ class ClientTask:
     device: str
     faults: FaultRates | None = None
     algorithm: Any = None  # the client algorithm (fedsim.algorithms); None: built from the spec when needed
+    task: Any = None  # the loss and metric (fedsim.tasks); None: classification
 
 
 def fault_rates(spec: dict) -> FaultRates | None:
@@ -391,6 +439,7 @@ def client_task(spec_json: str, partition_id: int) -> ClientTask:
         device,
         fault_rates(spec),
         client_algorithm(spec),
+        build_task(spec),
     )
 
 

@@ -47,7 +47,8 @@ def number(
     if ok:
         ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
     if not ok:
-        left, right = ("(" if lo_open else "["), (")" if hi_open else "]")
+        left = "(" if lo_open or lo == -math.inf else "["  # an infinite end is never in the interval
+        right = ")" if hi_open or hi == math.inf else "]"
         raise ConfigError(key, value, what or f"a number in {left}{lo:g}, {hi:g}{right}")
     return float(value)
 

@@ -8,6 +8,7 @@ rebuilds a client's data and model once per process.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,12 +20,14 @@ from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
 from fedsim import build
+from fedsim.checks import number
 from fedsim.clock import Heterogeneity
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.groups import EngineSettings, Placement, typed
 from fedsim.state import LoopConfig
 from fedsim.strategies import base
+from fedsim.tasks import CLASSIFICATION, Task
 from fedsim.training import evaluate
 from fedsim.validate import clients_per_round, validate
 
@@ -44,7 +47,8 @@ class Experiment:
     strategy: Any
     clock: Heterogeneity
     initial_model: torch.nn.Module
-    evaluate_fn: Callable[[ArrayRecord], tuple[float, float]]
+    evaluate_fn: Callable[[ArrayRecord], tuple[float, float]]  # (loss, the task's metric) on the test split
+    task: Task = CLASSIFICATION  # the loss and metric (``task=`` group)
 
 
 def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
@@ -61,7 +65,10 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     spec = json.loads(spec_json)
     build.local_training(spec)  # the client group and the faults group, checked before any work
     build.fault_rates(spec)
+    task = build.build_task(spec)
     ds = build.build_dataset(spec)
+    build.check_task(task, ds, ds.name)
+    validate_targets(cfg, task)
     train, _ = build.build_partitions(spec)
     m = clients_per_round(cfg)
     strategy = build.build_strategy(cfg, m)
@@ -97,6 +104,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
         eval_every=int(cfg.eval_every),
         federated_eval=bool(cfg.federated_eval),
         fraction_evaluate=float(cfg.strategy.get(build.LOOP_OWNED_STRATEGY_KEY, 1.0)),
+        metric=task.metric,
     )
     return Experiment(
         cfg=cfg,
@@ -110,8 +118,33 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
         strategy=strategy,
         clock=clock,
         initial_model=model,
-        evaluate_fn=make_evaluator(build.build_initial_model(spec), ds.x_test, ds.y_test, server_device),
+        evaluate_fn=make_evaluator(
+            build.build_initial_model(spec), ds.x_test, ds.y_test, server_device, task
+        ),
+        task=task,
     )
+
+
+def validate_targets(cfg: DictConfig, task: Task) -> None:
+    """``target_<metric>`` keys: the task's own is a number (at most 1 for accuracy and R²); another task's
+    target is refused, since its metric is never measured (e.g. ``target_accuracy`` under ``task=regression``)."""
+    own = f"target_{task.metric}"
+    for key in ("target_accuracy", "target_r2"):
+        value = cfg.get(key)
+        if value is None or key == own:
+            continue
+        raise ConfigError(
+            key,
+            value,
+            f"null under task={task.name}, whose metric is {task.metric}",
+            f"Set {own} instead" + ("." if own in cfg else f" (+{own}=... on the command line)."),
+        )
+    value = cfg.get(own)
+    if task.metric in ("accuracy", "r2"):  # both at most 1; R² may be any lower value
+        lo = 0.0 if task.metric == "accuracy" else -math.inf
+        number(own, value, lo, 1.0, lo_open=True, allow_none=True)
+    else:
+        number(own, value, -math.inf, math.inf, allow_none=True)
 
 
 def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
@@ -139,13 +172,15 @@ def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: s
         )
 
 
-def make_evaluator(model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str):
-    """Centralised evaluation of global arrays on the server's test split."""
+def make_evaluator(
+    model: torch.nn.Module, x: np.ndarray, y: np.ndarray, device: str, task: Task = CLASSIFICATION
+):
+    """Centralised evaluation of global arrays on the server's test split: ``(loss, the task's metric)``."""
     model = model.to(device)
     xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
 
     def evaluate_fn(arrays: ArrayRecord) -> tuple[float, float]:
         model.load_state_dict(arrays.to_torch_state_dict())
-        return evaluate(model, xt, yt)
+        return evaluate(model, xt, yt, task=task)
 
     return evaluate_fn

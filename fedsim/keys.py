@@ -21,7 +21,7 @@ PARTITION_ID = "partition-id"
 NUM_STEPS = "num-steps"
 EXAMPLES_PROCESSED = "examples-processed"  # examples seen in local training (for simulated time)
 EVAL_LOSS = "eval-loss"
-EVAL_ACCURACY = "eval-accuracy"
+EVAL_ACCURACY = "eval-accuracy"  # a task's metric M is replied as eval-M (see eval_metric)
 CLIPPED = "clipped"  # 1.0 if the client clipped its update, else 0.0
 UPDATE_NORM = "update-norm"  # L2 norm of the client's update before clipping
 
@@ -38,3 +38,8 @@ NODE_PARTITION_ID = "partition-id"
 NODE_NUM_PARTITIONS = "num-partitions"
 NODE_DATA_DIR = "data-dir"
 NODE_STATE_DIR = "state-dir"  # simulation: the run folder's client_state/ (per-client persistent state)
+
+
+def eval_metric(metric: str) -> str:
+    """The evaluation reply's key of a task's metric (``accuracy`` -> ``eval-accuracy``)."""
+    return f"eval-{metric}"

@@ -218,4 +218,5 @@ def node_task(spec_json: str, data_dir: str, partition_id: int) -> build.ClientT
         int(spec["seed"]),
         device,
         build.fault_rates(spec),
+        task=build.build_task(spec),
     )

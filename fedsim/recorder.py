@@ -23,6 +23,7 @@ import torch
 
 from fedsim import schema
 from fedsim.errors import ConfigError, critical, write_error
+from fedsim.tasks import CLASSIFICATION, Task
 
 try:
     import fcntl
@@ -153,8 +154,15 @@ class Recorder:
     """Collects one record per round (or server model version) and writes the run folder."""
 
     def __init__(
-        self, out_dir: Path, num_rounds: int, quiet: bool = False, records: list[dict] | None = None
+        self,
+        out_dir: Path,
+        num_rounds: int,
+        quiet: bool = False,
+        records: list[dict] | None = None,
+        task: Task = CLASSIFICATION,
     ):
+        self.task = task  # its metric names the evaluation fields (eval_accuracy, eval_r2, ...)
+        self.metric = schema.eval_field(task.metric)
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.num_rounds = num_rounds
@@ -225,10 +233,12 @@ class Recorder:
             print(self.progress_line(self.records[-1]), file=sys.stderr, flush=True)
 
     def progress_line(self, r: dict) -> str:
-        """``[round 5/30] acc 0.873  loss 0.412  clients 10  sim 12.3s  elapsed 3.2s`` (+ extras)."""
+        """``[round 5/30] acc 0.873  loss 0.412  clients 10  sim 12.3s  elapsed 3.2s`` (+ extras); a task's
+        other metric shows under its own name (``r2 0.412``)."""
         parts = [f"[round {r['round']:>{len(str(self.num_rounds))}}/{self.num_rounds}]"]
-        if r.get(schema.EVAL_ACCURACY) is not None:
-            parts.append(f"acc {r['eval_accuracy']:.4f}  loss {_num(r.get(schema.EVAL_LOSS), '.4f')}")
+        if r.get(self.metric) is not None:
+            name = "acc" if self.task.metric == "accuracy" else self.task.metric
+            parts.append(f"{name} {_num(r[self.metric], '.4f')}  loss {_num(r.get(schema.EVAL_LOSS), '.4f')}")
         if r.get(schema.TRAIN_LOSS) is not None:
             parts.append(f"train_loss {r['train_loss']:.4f}")
         parts.append(f"clients {r.get('num_clients', 0)}")
@@ -254,15 +264,19 @@ class Recorder:
 
     def summary(self, extra: dict) -> dict:
         """Final and best metrics over the recorded rounds, plus ``extra`` (config choices, versions...)."""
-        evals = [r for r in self.records if r.get(schema.EVAL_ACCURACY) is not None]
+        m = self.metric
+        evals = [r for r in self.records if r.get(m) is not None and r[m] == r[m]]  # (NaN: no best)
         last = self.records[-1] if self.records else {}
-        best = max(evals, key=lambda r: r[schema.EVAL_ACCURACY], default={})
+        best: dict = {}
+        for r in evals:  # the first round of the best value
+            if not best or (r[m] != best[m] and self.task.better(r[m], best[m])):
+                best = r
         final_eval = evals[-1] if evals else {}
         return {
             "rounds_done": last.get(schema.ROUND, 0),
-            "final_eval_accuracy": final_eval.get(schema.EVAL_ACCURACY),
+            f"final_{m}": final_eval.get(m),
             "final_eval_loss": final_eval.get(schema.EVAL_LOSS),
-            "best_eval_accuracy": best.get(schema.EVAL_ACCURACY),
+            f"best_{m}": best.get(m),
             "best_round": best.get(schema.ROUND),
             "final_train_loss": last.get(schema.TRAIN_LOSS),
             schema.SIM_TIME: last.get(schema.SIM_TIME),
@@ -280,25 +294,27 @@ class Recorder:
 
     def plot(self, title: str = "") -> None:
         """curves.png: accuracy and loss against round and against simulated time."""
-        plot_curves(self.records, self.out_dir / "curves.png", title)
+        plot_curves(self.records, self.out_dir / "curves.png", title, self.task.metric)
 
 
-def plot_curves(records: list[dict], path: Path, title: str = "") -> None:
-    """Plot eval accuracy and loss against round (top) and simulated time (bottom)."""
+def plot_curves(records: list[dict], path: Path, title: str = "", metric: str = "accuracy") -> None:
+    """Plot the task's eval metric (accuracy by default) and loss against round (top) and simulated time
+    (bottom)."""
+    field = schema.eval_field(metric)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = [r for r in records if r.get(schema.EVAL_ACCURACY) is not None]
+    ev = [r for r in records if r.get(field) is not None]
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
     for row, xkey, xlabel in (
         (0, schema.ROUND, "round (server model version)"),
         (1, schema.SIM_TIME, "simulated time (s)"),
     ):
         xs = [r.get(xkey, 0.0) for r in ev]
-        axes[row, 0].plot(xs, [r[schema.EVAL_ACCURACY] for r in ev], marker=".")
-        axes[row, 0].set(xlabel=xlabel, ylabel="eval accuracy")
+        axes[row, 0].plot(xs, [r[field] for r in ev], marker=".")
+        axes[row, 0].set(xlabel=xlabel, ylabel=f"eval {metric}")
         axes[row, 1].plot(
             xs, [r[schema.EVAL_LOSS] for r in ev], marker=".", color="tab:red", label="eval loss"
         )

@@ -48,6 +48,7 @@ from fedsim.recorder import (
 from fedsim.server import run_sync
 from fedsim.state import RunState, TargetReached
 from fedsim.strategies import base
+from fedsim.tasks import CLASSIFICATION, Task
 
 log = logging.getLogger("fedsim")
 
@@ -124,25 +125,29 @@ def _one_line(e: BaseException) -> str:
 
 
 class TargetWatch:
-    """Round hook: note the first round whose evaluation reaches ``target_accuracy``; optionally stop there."""
+    """Round hook: note the first round whose evaluation reaches ``target_<metric>`` (``target_accuracy``, or the
+    task's own metric: ``target_r2``); optionally stop there."""
 
-    def __init__(self, target: float | None, stop: bool) -> None:
-        self.target, self.stop = target, stop
+    def __init__(self, target: float | None, stop: bool, task: Task = CLASSIFICATION) -> None:
+        self.target, self.stop, self.task = target, stop, task
 
     def __call__(self, record: dict, state: RunState, wall_time: float) -> None:
-        acc = record.get(schema.EVAL_ACCURACY)
-        if self.target is None or acc is None or acc < self.target or state.target_reached is not None:
+        score = record.get(schema.eval_field(self.task.metric))
+        if self.target is None or score is None or state.target_reached is not None:
+            return
+        if not self.task.better(score, self.target):
             return
         sim = record.get(schema.SIM_TIME)
         state.target_reached = TargetReached(self.target, record[schema.ROUND], sim, wall_time)
         log.warning(
-            "target accuracy %.4g reached at round %d (simulated time %.1f s)",
+            "target %s %.4g reached at round %d (simulated time %.1f s)",
+            self.task.metric,
             self.target,
             record[schema.ROUND],
             sim or 0.0,
         )
         if self.stop:
-            state.stop_reason = f"target accuracy {self.target} reached"
+            state.stop_reason = f"target {self.task.metric} {self.target} reached"
 
 
 class Run:
@@ -159,15 +164,22 @@ class Run:
         records: list[dict] = []
         lock_run_folder(out_dir)  # first: a folder another live run writes to is refused before any write
         try:
-            self.watch = TargetWatch(cfg.get("target_accuracy"), bool(cfg.get("stop_at_target")))
+            target = cfg.get(f"target_{exp.task.metric}")
+            self.watch = TargetWatch(target, bool(cfg.get("stop_at_target")), exp.task)
             if cfg.get("resume"):
                 records = self._resume(str(cfg.resume))
             self.every = int(cfg.get("checkpoint_every") or 0)
             self.ckpt_path = out_dir / "checkpoint.pt"
             self.recorder = Recorder(
-                out_dir, exp.loop.num_rounds, quiet=bool(cfg.get("quiet", False)), records=records
+                out_dir,
+                exp.loop.num_rounds,
+                quiet=bool(cfg.get("quiet", False)),
+                records=records,
+                task=exp.task,
             )
-            write_partition_stats(out_dir, exp.train_partitions, exp.dataset.y_train, exp.dataset.num_classes)
+            ds = exp.dataset  # real-valued targets are counted by decile
+            bins = ds.num_classes if ds.targets == "classes" else 10
+            write_partition_stats(out_dir, exp.train_partitions, ds.partition_labels(bins), bins)
         except BaseException:
             if hasattr(self, "recorder"):
                 self.recorder.close()
@@ -313,9 +325,10 @@ class Run:
         records = self.recorder.records
         if not records or records[-1][schema.ROUND] != self.state.round:
             return
-        if records[-1].get(schema.EVAL_ACCURACY) is None:
-            loss, acc = self.exp.evaluate_fn(self.state.arrays)
-            self.recorder.amend({schema.EVAL_LOSS: loss, schema.EVAL_ACCURACY: acc})
+        field = schema.eval_field(self.exp.task.metric)
+        if records[-1].get(field) is None:
+            loss, score = self.exp.evaluate_fn(self.state.arrays)
+            self.recorder.amend({schema.EVAL_LOSS: loss, field: score})
         self.save_checkpoint()
 
     def trained_nothing(self) -> str | None:
@@ -373,7 +386,7 @@ class Run:
                 else None,
                 "engine": engine,
                 "choices": self.choices,
-                "target_accuracy": self.watch.target,
+                f"target_{self.exp.task.metric}": self.watch.target,
                 "target_round": reached.round if reached else None,
                 "target_sim_time": reached.sim_time if reached else None,
                 "target_wall_time": reached.wall_time if reached else None,

@@ -76,6 +76,28 @@ FIELDS: dict[str, str] = {
 }
 
 
+def eval_field(metric: str, prefix: str = "") -> str:
+    """The field of a task's evaluation metric: ``eval_<metric>``, with ``prefix`` ``fed_`` or ``personal_``."""
+    return f"{prefix}eval_{metric}"
+
+
+def task_fields(metric: str) -> dict[str, str]:
+    """The fields named after the task's metric (``accuracy`` for classification, ``r2`` for regression), with
+    their descriptions: :data:`FIELDS` lists them for accuracy."""
+    names = {
+        EVAL_ACCURACY: eval_field(metric),
+        FED_EVAL_ACCURACY: eval_field(metric, FED_EVAL_PREFIX),
+        PERSONAL_EVAL_ACCURACY: eval_field(metric, "personal_"),
+        PERSONAL_EVAL_ACCURACY_P10: eval_field(metric, "personal_") + "_p10",
+    }
+    return {names[k]: FIELDS[k].replace("accuracy", metric) for k in names}
+
+
+def fields(metric: str = "accuracy") -> dict[str, str]:
+    """Every field a run with a task whose metric is ``metric`` may write, with its description."""
+    return {**FIELDS, **task_fields(metric)}
+
+
 def metric_field(key: str) -> str:
     """The metrics.jsonl field of a strategy's MetricRecord key (``clip-norm`` -> ``clip_norm``)."""
     return key.replace("-", "_")

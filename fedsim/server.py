@@ -77,7 +77,7 @@ def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, in
             ]  # the grid's order: first registered first
             asked.update(new)
             if new:
-                discover(grid, new, spec, max(1.0, end - time.monotonic()), found)
+                discover(grid, new, spec, max(1.0, end - time.monotonic()), found, loop.num_clients)
             if set(range(loop.num_clients)) <= set(found) or time.monotonic() > end:
                 break
             time.sleep(0.5)
@@ -132,11 +132,11 @@ def plan_round(clock: Heterogeneity, work: Workload, cohort: list[int], rnd: int
     return plans
 
 
-def record_initial(state: RunState, evaluate_fn, on_round) -> None:
+def record_initial(state: RunState, evaluate_fn, on_round, metric: str = "accuracy") -> None:
     """Evaluate and record the initial global model as round 0 (once: not again when resuming at round 0)."""
     if state.initial_recorded:
         return
-    loss, acc = evaluate_fn(state.arrays)
+    loss, score = evaluate_fn(state.arrays)
     state.initial_recorded = True
     on_round(
         {
@@ -144,7 +144,7 @@ def record_initial(state: RunState, evaluate_fn, on_round) -> None:
             schema.SIM_TIME: 0.0,
             schema.NUM_CLIENTS: 0,
             schema.EVAL_LOSS: loss,
-            schema.EVAL_ACCURACY: acc,
+            schema.eval_field(metric): score,
         },
         state,
     )
@@ -176,7 +176,7 @@ def run_sync(
     node_of, sizes = connect_sizes(grid, loop, spec)
     work = Workload(spec, sizes)
     if state.round == 0:
-        record_initial(state, evaluate_fn, on_round)
+        record_initial(state, evaluate_fn, on_round, loop.metric)
 
     while state.round < loop.num_rounds and not state.stop_reason:
         state.rollback = checkpoint.mark(state, strategy)  # an interrupt in this round returns here
@@ -197,7 +197,7 @@ def run_sync(
             break
         _limit_partial(messages, plans, {nid: pid for pid, nid in node_of.items()})
         replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout)) if messages else []
-        valid, failures = screen_replies(replies, state.arrays)
+        valid, failures = screen_replies(replies, state.arrays, {n: p for p, n in node_of.items()})
         failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
         valid.sort(key=_pid)
         record: dict = {
@@ -245,12 +245,15 @@ def run_sync(
                 grid, [node_of[p] for p in sample_evaluators(loop.seed, rnd, sent, loop.fraction_evaluate)]
             )
             record.update(
-                _federated_eval(grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout)
+                _federated_eval(
+                    grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout, loop.metric
+                )
             )
         state.round = rnd
         record[schema.SIM_TIME] = state.sim_time
         if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
-            record[schema.EVAL_LOSS], record[schema.EVAL_ACCURACY] = evaluate_finite(evaluate_fn, state, rnd)
+            loss_score = evaluate_finite(evaluate_fn, state, rnd)
+            record[schema.EVAL_LOSS], record[schema.eval_field(loop.metric)] = loss_score
         record[schema.ROUND_TIME] = time.perf_counter() - t0
         on_round(record, state)
     return state
@@ -302,7 +305,7 @@ def _has_eval_examples(rep: Message) -> bool:
     return isinstance(n, (int, float)) and not isinstance(n, bool) and math.isfinite(n) and n > 0
 
 
-def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
+def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout, metric: str = "accuracy") -> dict:
     config = ConfigRecord({keys.RUN_SPEC: spec})
     msgs = list(strategy.configure_evaluate(rnd, arrays, config, view))
     # a client without validation examples has nothing to add (and a cohort of them would divide by zero)
@@ -318,7 +321,11 @@ def _federated_eval(grid, strategy, rnd, arrays, spec, view, timeout) -> dict:
         if k != keys.NUM_EXAMPLES
     }
     # each client evaluated the model it would use (a personalised one where it has one): spread over clients
-    accs = [float(r.content[keys.METRICS][keys.EVAL_ACCURACY]) for r in replies]
-    out[schema.PERSONAL_EVAL_ACCURACY] = float(np.mean(accs))
-    out[schema.PERSONAL_EVAL_ACCURACY_P10] = float(np.percentile(accs, 10))
+    scores = [r.content[keys.METRICS].get(keys.eval_metric(metric)) for r in replies]
+    if any(s is None for s in scores):  # a stock Flower ClientApp names its metrics its own way
+        return out
+    scores = [float(s) for s in scores]
+    personal = schema.eval_field(metric, "personal_")
+    out[personal] = float(np.mean(scores))
+    out[personal + "_p10"] = float(np.percentile(scores, 10))
     return out

@@ -22,6 +22,7 @@ class LoopConfig:
     eval_every: int = 1
     federated_eval: bool = False
     fraction_evaluate: float = 1.0  # share of the round's cohort asked to evaluate (federated_eval only)
+    metric: str = "accuracy"  # the task's metric: records get eval_<metric> (fedsim.tasks)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ COLUMNS = (
     "job",
     "overrides",
     "status",
-    "final_eval_accuracy",
+    "final_eval_accuracy",  # the task's metric: final_eval_r2 and best_eval_r2 under task=regression
     "best_eval_accuracy",
     "rounds_done",
     schema.SIM_TIME,
@@ -49,6 +49,7 @@ def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
         if summ.exists():
             s = json.loads(summ.read_text())
             row.update({k: s.get(k) for k in COLUMNS if k in s})
+            row.update({k: v for k, v in s.items() if _is_metric_column(k)})
             if row.get("status") == "failed" and (job / "error.txt").exists():
                 row["error"] = (job / "error.txt").read_text().strip()
         else:
@@ -62,36 +63,53 @@ def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
 def write_summary(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
     """Write sweep_summary.csv and sweep.png for ``sweep_dir`` (the ``jobs`` of one multirun); return the rows."""
     rows = collect(sweep_dir, jobs)
+    columns = columns_for(rows)
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k, "") for k in COLUMNS})
+            w.writerow({k: r.get(k, "") for k in columns})
     plot_sweep(sweep_dir, rows)
     return rows
 
 
+def _is_metric_column(key: str) -> bool:
+    return key.startswith(("final_eval_", "best_eval_")) and key != "final_eval_loss"
+
+
+def metrics_of(rows: list[dict]) -> list[str]:
+    """The tasks' metrics in the rows' summaries, in order of appearance (``accuracy`` when none has one)."""
+    found = [k.removeprefix("final_eval_") for r in rows for k in r if k.startswith("final_eval_")]
+    return list(dict.fromkeys(found)) or ["accuracy"]
+
+
+def columns_for(rows: list[dict]) -> list[str]:
+    """:data:`COLUMNS` with the accuracy columns replaced by the final and best value of each task metric."""
+    head, tail = list(COLUMNS[:3]), list(COLUMNS[5:])
+    return head + [f"{w}_eval_{m}" for m in metrics_of(rows) for w in ("final", "best")] + tail
+
+
 def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
-    """sweep.png: each run's accuracy against round and against simulated time."""
+    """sweep.png: each run's accuracy (the task's metric) against round and against simulated time."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    metric = metrics_of(rows)[0]
+    field = schema.eval_field(metric)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
     for r in rows:
         path = sweep_dir / str(r["job"]) / "metrics.jsonl"
         if r.get("status") == "failed" or not path.exists():
             continue
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        ev = [x for x in recs if x.get(schema.EVAL_ACCURACY) is not None]
+        ev = [x for x in recs if x.get(field) is not None]
         label = r["overrides"] or f"job {r['job']}"
-        axes[0].plot([x[schema.ROUND] for x in ev], [x[schema.EVAL_ACCURACY] for x in ev], label=label)
-        axes[1].plot(
-            [x.get(schema.SIM_TIME, 0) for x in ev], [x[schema.EVAL_ACCURACY] for x in ev], label=label
-        )
-    axes[0].set(xlabel="round", ylabel="eval accuracy")
-    axes[1].set(xlabel="simulated time (s)", ylabel="eval accuracy")
+        axes[0].plot([x[schema.ROUND] for x in ev], [x[field] for x in ev], label=label)
+        axes[1].plot([x.get(schema.SIM_TIME, 0) for x in ev], [x[field] for x in ev], label=label)
+    axes[0].set(xlabel="round", ylabel=f"eval {metric}")
+    axes[1].set(xlabel="simulated time (s)", ylabel=f"eval {metric}")
     for ax in axes:
         ax.grid(alpha=0.3)
     if rows:

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
+from fedsim.tasks import CLASSIFICATION, Task
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "asgd")
 
@@ -109,13 +109,14 @@ def train_local(
     max_steps: int | None = None,
     algorithm=None,
     run=None,
+    task: Task = CLASSIFICATION,
 ) -> tuple[float, int, int]:
     """Train ``model`` in place on ``(x, y)`` with a client algorithm's hooks (``fedsim.algorithms.base``).
 
     Returns ``(mean train loss, optimiser steps, examples processed)``. Without ``algorithm``/``run``: plain
     local SGD with the configured optimiser, FedProx's ``mu/2 * ||w - w_start||^2`` when ``proximal_mu > 0``, and
     averaged SGD's Polyak-Ruppert average with ``asgd``. ``max_steps`` caps the steps (a client that must stop at
-    a deadline and send the work it finished).
+    a deadline and send the work it finished). The loss is ``run.task``'s (``task`` when no ``run`` is given).
     """
     from fedsim.algorithms.base import LocalRun, LocalSGD
     from fedsim.messages import TrainInstruction
@@ -127,7 +128,7 @@ def train_local(
         algorithm = LocalSGD(cfg)
     if run is None:
         start = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
-        run = LocalRun(model, TrainInstruction(spec="", proximal_mu=proximal_mu), cfg, -1, start)
+        run = LocalRun(model, TrainInstruction(spec="", proximal_mu=proximal_mu), cfg, -1, start, task=task)
     run.steps, run.x, run.y, run.generator = steps, x, y, generator
     params = [p for _, p in run.params]
     opt = make_optimizer(params, cfg)
@@ -141,7 +142,7 @@ def train_local(
             if run.done == steps:
                 break
             idx = order[start_ : start_ + bs]
-            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss = run.task.loss(model(x[idx]), y[idx])
             total += loss.detach().double()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -156,16 +157,17 @@ def train_local(
 
 @torch.no_grad()
 def evaluate(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 1024, task: Task = CLASSIFICATION
 ) -> tuple[float, float]:
-    """Return ``(mean cross-entropy, accuracy)`` of ``model`` on ``(x, y)``."""
+    """Return ``(mean loss, metric)`` of ``model`` on ``(x, y)`` under ``task`` (cross-entropy and accuracy by
+    default)."""
     model.eval()
     n = x.shape[0]
     if n == 0:
         return float("nan"), float("nan")
-    loss, correct = 0.0, 0
+    loss, total = 0.0, 0
     for s in range(0, n, batch_size):
         out = model(x[s : s + batch_size])
-        loss += float(F.cross_entropy(out, y[s : s + batch_size], reduction="sum"))
-        correct += int((out.argmax(1) == y[s : s + batch_size]).sum())
-    return loss / n, correct / n
+        loss += float(task.loss(out, y[s : s + batch_size], reduction="sum"))
+        total += task.score(out, y[s : s + batch_size])
+    return loss / n, task.finish(total, y)

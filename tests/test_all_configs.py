@@ -60,6 +60,10 @@ def test_config_option_composes_and_runs(group, option, tmp_path):
         overrides.append("num_clients=6")
     if group == "model" and option == "cnn":
         overrides.append("dataset=digits")
+    if (group, option) == ("dataset", "diabetes"):  # real-valued targets: a regression data set
+        overrides.append("task=regression")
+    if (group, option) == ("task", "regression"):
+        overrides.append("dataset=diabetes")
     cfg = compose_cfg(*overrides)
     if group == "experiment":  # a `@package _global_` bundle: it must change something
         assert cfg != compose_cfg(*extra)
@@ -74,4 +78,5 @@ def test_config_option_composes_and_runs(group, option, tmp_path):
         pytest.importorskip("flwr_datasets")
     summary = run_tiny(tmp_path / "run", *overrides)
     assert summary["rounds_done"] >= 1
-    assert summary["final_eval_accuracy"] is not None
+    metric = "r2" if "task=regression" in overrides else "accuracy"
+    assert summary[f"final_eval_{metric}"] is not None

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from fedsim.messages import TrainInstruction
+from fedsim.tasks import CLASSIFICATION, Task
 from fedsim.training import LocalTraining
 
 
@@ -52,6 +53,7 @@ class LocalRun:
     x: torch.Tensor | None = None  # the client's training data (set by the training loop)
     y: torch.Tensor | None = None
     generator: torch.Generator | None = None  # the task's minibatch-order generator (after the main loop)
+    task: Task = CLASSIFICATION  # the loss to minimise (``task=`` group): ``run.task.loss(model(x), y)``
 
     @property
     def params(self) -> list[tuple[str, nn.Parameter]]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
 from fedsim.algorithms.base import ClientAlgorithm, LocalRun
 from fedsim.training import batch_size_for
@@ -54,7 +53,7 @@ class Ditto(ClientAlgorithm):
                 if done == run.done:
                     break
                 idx = order[s : s + bs]
-                loss = F.cross_entropy(run.model(run.x[idx]), run.y[idx])
+                loss = run.task.loss(run.model(run.x[idx]), run.y[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 with torch.no_grad():

@@ -17,9 +17,10 @@ class Dataset:
     """Arrays of one data set, ready for partitioning.
 
     ``x_*`` are float32 of shape ``(n, *input_shape)``, already normalised; ``y_*`` are int64 class ids in
-    ``[0, num_classes)`` (checked: a label outside is a ``ConfigError`` on ``dataset``). ``groups`` holds each
-    training example's natural owner (a user or writer id) when the data set has one, for the ``natural``
-    partitioner.
+    ``[0, num_classes)`` (checked: a label outside is a ``ConfigError`` on ``dataset``), or, with
+    ``targets="values"`` (a regression data set), finite float32 targets and ``num_classes`` the number of model
+    outputs (1). ``groups`` holds each training example's natural owner (a user or writer id) when the data set
+    has one, for the ``natural`` partitioner.
     """
 
     name: str
@@ -30,10 +31,44 @@ class Dataset:
     num_classes: int
     input_shape: tuple[int, ...]
     groups: np.ndarray | None = None
+    targets: str = "classes"  # what y holds: "classes" (int64 ids) or "values" (float32, regression)
 
     def __post_init__(self) -> None:
         for split in ("y_train", "y_test"):
-            check_labels(getattr(self, split), self.num_classes, "dataset", self.name, f"its {split}")
+            if self.targets == "values":
+                check_values(getattr(self, split), "dataset", self.name, f"its {split}")
+            else:
+                check_labels(getattr(self, split), self.num_classes, "dataset", self.name, f"its {split}")
+
+    def partition_labels(self, bins: int = 10) -> np.ndarray:
+        """Labels the label-skew partitioners split by: the class ids, or for real-valued targets their
+        quantile bin (``bins`` bins of about equal size), so that Dirichlet or shards skew the target range."""
+        if self.targets != "values":
+            return self.y_train
+        return value_bins(self.y_train, bins)
+
+
+def value_bins(values: np.ndarray, bins: int = 10) -> np.ndarray:
+    """The quantile bin (0 .. bins-1, about equally full) of each real value, as int64."""
+    values = np.asarray(values, dtype=np.float64)
+    if values.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    edges = np.quantile(values, np.linspace(0, 1, bins + 1)[1:-1])
+    return np.searchsorted(edges, values, side="right").astype(np.int64)
+
+
+def check_values(values: np.ndarray, key: str, value: object, source: str) -> None:
+    """Raise ``ConfigError(key, value, ...)`` when regression targets read from ``source`` are not finite
+    floats."""
+    values = np.asarray(values)
+    if values.size == 0:
+        return
+    if not np.issubdtype(values.dtype, np.floating):
+        raise ConfigError(
+            key, value, f"real-valued (float) regression targets (got {values.dtype} in {source})"
+        )
+    if not np.isfinite(values).all():
+        raise ConfigError(key, value, f"finite regression targets ({source} holds NaN or Inf)")
 
 
 def check_labels(labels: np.ndarray, num_classes: int, key: str, value: object, source: str) -> None:

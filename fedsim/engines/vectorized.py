@@ -40,13 +40,13 @@ import torch
 from flwr.app import ArrayRecord, Message, MessageType
 from torch import nn
 from torch.func import functional_call, vmap
-from torch.nn import functional as F
 
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.engines import grouped
 from fedsim.engines.pool import PoolGrid
 from fedsim.messages import parse_train, train_reply
+from fedsim.tasks import CLASSIFICATION
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 
 log = logging.getLogger("fedsim")
@@ -355,6 +355,7 @@ def estimate_bytes(
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> dict[str, Message]:
     """Batched local training of clients sorted by step count (descending); replies keyed by message id."""
     model = members[0].task.model
+    learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
     names = [n for n, _ in model.named_parameters()]
     k_all, steps = len(members), len(members[0].batches)
     width = max(len(b) for c in members for b in c.batches)
@@ -386,8 +387,8 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
         idx = gather[t, :k]  # (k, width)
         leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
         out = forward(leaves, x[idx])  # (k, width, classes)
-        ce = F.cross_entropy(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(k, width)
-        per_client = (ce * weight[t, :k]).sum(1)  # (k,) each client's mean batch loss
+        losses = learnt.loss(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(k, width)
+        per_client = (losses * weight[t, :k]).sum(1)  # (k,) each client's mean batch loss
         grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
         with torch.no_grad():
             loss_sum[:k] += per_client.double()
