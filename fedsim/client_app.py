@@ -2,21 +2,30 @@
 
 Every engine runs this same app. The run's client spec (JSON) arrives in each message's ConfigRecord, so
 the app needs nothing from ``run_config``; the node's partition comes from ``node_config``.
+
+Under another ServerApp (e.g. one running Flower's own ``flwr.serverapp.strategy.FedAvg``), messages carry no
+spec: the app then composes fedsim's config from the ``overrides`` string of its ``run_config`` (the key
+fedsim's ServerApp reads, declared in pyproject's ``[tool.flwr.app.config]``), so the model it builds must be
+the one that ServerApp sends. Without either it fails with one line saying so. Flower's client-side DP wrapper
+asks for clipping with ``clipping_norm``; the app clips to it as to fedsim's ``clip-norm``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # "clipping_norm", Flower's client-side DP
 
 from fedsim import attacks, keys
 from fedsim.algorithms.base import LocalRun
 from fedsim.algorithms.state import ClientState, ContextState, DirectoryState
 from fedsim.build import ClientTask, build_dataset, client_algorithm, client_task
+from fedsim.errors import ConfigError
 from fedsim.faults import SimulatedTimeout
 from fedsim.messages import incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
@@ -26,8 +35,58 @@ app = ClientApp()
 
 
 def _task(msg: Message, context: Context) -> ClientTask:
+class MissingSpecError(RuntimeError):
+    """fedsim's ClientApp got a message without a run spec and has no run config to build one from."""
+
+
+OVERRIDES = "overrides"  # run_config key (fedsim.server_app.OVERRIDES): Hydra overrides, one string
+
+
+@functools.lru_cache(maxsize=8)
+def spec_from_overrides(overrides: str) -> str:
+    """The client spec (JSON) of fedsim's config composed with ``overrides`` (a shell-like string).
+
+    Raises
+    ------
+    MissingSpecError
+        The overrides do not compose (one line naming them).
+    """
+    from fedsim.build import client_spec
+    from fedsim.server_app import DeployConfigError, compose_config, parse_overrides
+
+    try:
+        cfg, _ = compose_config(parse_overrides(overrides))
+    except (ConfigError, DeployConfigError) as e:
+        raise MissingSpecError(
+            f"fedsim's ClientApp cannot build its task from run_config {OVERRIDES}: {e}"
+        ) from None
+    return client_spec(cfg, device=str(cfg.placement.device))  # the configured (or default) client algorithm
+
+
+def run_spec(msg: Message, context: Context) -> str:
+    """The run's client spec: from the message (fedsim's ServerApp), else from ``run_config['overrides']``.
+
+    Raises
+    ------
+    MissingSpecError
+        Neither is there: one line saying what the app needs.
+    """
+    config = msg.content.config_records.get(keys.CONFIG) if msg.has_content() else None
+    if config is not None and keys.RUN_SPEC in config:
+        return str(config[keys.RUN_SPEC])
+    overrides = context.run_config.get(OVERRIDES)
+    if overrides is None:
+        raise MissingSpecError(
+            f"fedsim's ClientApp needs its run's config: run it under fedsim's ServerApp (which sends "
+            f'{keys.RUN_SPEC!r} in every message), or declare {OVERRIDES} = "<fedsim overrides>" in '
+            '[tool.flwr.app.config] (e.g. overrides = "num_clients=10 model=mlp") so that it composes the '
+            "same config as the ServerApp's model and data"
+        )
+    return spec_from_overrides(str(overrides))
+
+
     """This node's task: its partition of the run's data set, or its own folder when ``data-dir`` is set."""
-    spec = str(msg.content[keys.CONFIG][keys.RUN_SPEC])
+    spec = run_spec(msg, context)
     partition_id = node_partition(context.node_config, spec)
     data_dir = context.node_config.get(keys.NODE_DATA_DIR)
     if data_dir:
@@ -36,7 +95,19 @@ def _task(msg: Message, context: Context) -> ClientTask:
 
 
 def _load(task: ClientTask, arrays: ArrayRecord) -> None:
-    """Load the global weights into the worker's model in place."""
+    """Load the global weights into the worker's model in place (``ValueError``, one line, when they do not fit)."""
+    own = task.model.state_dict()
+    got = {k: tuple(a.shape) for k, a in arrays.items()}
+    missing, extra = sorted(set(own) - set(got)), sorted(set(got) - set(own))
+    wrong = [k for k in own if k in got and tuple(own[k].shape) != got[k]]
+    if missing or extra or wrong:
+        what = [f"missing {missing[:3]}"] if missing else []
+        what += [f"unexpected {extra[:3]}"] if extra else []
+        what += [f"{k!r} has shape {got[k]}, this model's {tuple(own[k].shape)}" for k in wrong[:2]]
+        raise ValueError(
+            "the arrays received do not fit the model fedsim's config builds (" + "; ".join(what) + "): "
+            "configure the same model on both sides (run_config overrides, e.g. model=...)"
+        )
     task.model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
 
 
@@ -58,13 +129,12 @@ def _clip_to(task: ClientTask, start: dict[str, torch.Tensor], clip_norm: float)
 def train(msg: Message, context: Context) -> Message:
     """Train on the local partition from the received global model."""
     task = _task(msg, context)
-    ins = parse_train(msg.content[keys.CONFIG])
+    ins = parse_train(_with_spec(msg, run_spec(msg, context)))
+    clip_norm = _clip_norm(ins)
     algorithm = task.algorithm or client_algorithm(json.loads(ins.spec))
     _load(task, msg.content[keys.ARRAYS])
     start = (
-        {k: v.detach().clone() for k, v in task.model.state_dict().items()}
-        if ins.clip_norm is not None
-        else None
+        {k: v.detach().clone() for k, v in task.model.state_dict().items()} if clip_norm is not None else None
     )
     run = LocalRun(
         task.model,
@@ -90,8 +160,8 @@ def train(msg: Message, context: Context) -> Message:
     if store is not None:
         store.save(run.state)
     extra = dict(run.metrics)
-    if ins.clip_norm is not None:
-        norm, clipped = _clip_to(task, start, ins.clip_norm)
+    if clip_norm is not None:
+        norm, clipped = _clip_to(task, start, clip_norm)
         extra = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(clipped)}
     state = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
     if task.faults is not None:
@@ -111,6 +181,26 @@ def train(msg: Message, context: Context) -> Message:
 
 def _labels(task: ClientTask, ins) -> torch.Tensor:
     """The training labels: flipped (``C - 1 - y``) when ``attack=label_flip`` names this client an attacker."""
+def _with_spec(msg: Message, spec: str) -> ConfigRecord:
+    """The message's train config with the run spec in it (a copy when it had none: Flower's own servers)."""
+    config = msg.content.config_records.get(keys.CONFIG)
+    if config is not None and keys.RUN_SPEC in config:
+        return config
+    return ConfigRecord({**(dict(config.items()) if config is not None else {}), keys.RUN_SPEC: spec})
+
+
+def _clip_norm(ins) -> float | None:
+    """The clipping bound asked for: fedsim's ``clip-norm``, else Flower's ``clipping_norm``."""
+    if ins.clip_norm is not None:
+        return ins.clip_norm
+    value = ins.unhandled.get(KEY_CLIPPING_NORM)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{KEY_CLIPPING_NORM}={value!r} in the train config: expected a number > 0")
+    return float(value)
+
+
     if task.partition_id not in (ins.unhandled.get(attacks.LABEL_FLIP) or ()):
         return task.y_train
     return attacks.flip_labels(task.y_train, build_dataset(json.loads(ins.spec)).num_classes)
@@ -147,8 +237,8 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     personalised client algorithm (Ditto's personal model, FedPer's own layers) from the client's state."""
     task = _task(msg, context)
     _load(task, msg.content[keys.ARRAYS])
-    cfg = msg.content[keys.CONFIG]
-    algorithm = task.algorithm or client_algorithm(json.loads(str(cfg[keys.RUN_SPEC])))
+    cfg = msg.content.config_records.get(keys.CONFIG) or ConfigRecord()
+    algorithm = task.algorithm or client_algorithm(json.loads(run_spec(msg, context)))
     if algorithm.stateful:  # the state this client saved in round r is version r: read it for round r's eval
         rnd = int(cfg.get(keys.SERVER_ROUND, 0))
         algorithm.personalize(task.model, _state_store(context, task.partition_id, rnd + 1).load())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -127,12 +127,33 @@ def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
     return nodes
 
 
+def _foreign_reason(rep: Message) -> str | None:
+    """Why a query reply says its node runs a ClientApp that is not fedsim's (None: it is fedsim's, or broken).
+
+    Such a client has no query handler (Flower answers with an error naming it), or answers the query without
+    a ``partition-id`` and ``num-examples`` (a handler of its own).
+    """
+    if rep.has_error():
+        reason = str(rep.error.reason)
+        return "it has no query handler" if "No query function registered" in reason else None
+    m = rep.content.get(keys.METRICS) if rep.has_content() else None
+    ok = isinstance(m, MetricRecord) and all(
+        isinstance(m.get(k), (int, float)) and not isinstance(m.get(k), bool)
+        for k in (keys.PARTITION_ID, keys.NUM_EXAMPLES)
+    )
+    if ok:
+        return None
+    what = f"metrics {_names(m.keys())}" if isinstance(m, MetricRecord) else "no MetricRecord"
+    return f"its query reply holds {what}, no {keys.PARTITION_ID!r}"
+
+
 def discover(
     grid: Grid,
     node_ids: list[int],
     spec: str,
     timeout: float,
     found: dict[int, tuple[int, int]] | None = None,
+    num_partitions: int | None = None,
 ) -> dict[int, tuple[int, int]]:
     """Ask every node for its partition id and size: ``{partition_id: (node_id, num_examples)}``.
 
@@ -140,7 +161,13 @@ def discover(
     work and never stops the run: one warning line each, through ``grid.refuse(node, partition, reason)``
     when the grid has it (a deployment's node gate, which also judges claims with ``grid.check_claim``). A
     partition claimed twice stays with the node listed first in ``node_ids`` (or asked earlier).
-    A node whose client fails to start (an error reply) stops discovery with ``RunError``.
+
+    A node whose ClientApp is not fedsim's (a stock Flower ClientApp: no query handler, or a query reply
+    without ``partition-id``) is identified by its node id: after the nodes that claim a partition, each such
+    node in turn takes the partition a node gate binds it to, else the lowest free one below
+    ``num_partitions``, with size 0 (unknown); one log line names them. Its replies then get that partition
+    (:func:`screen_replies`). Any other error reply (fedsim's client failed to start) stops discovery with
+    ``RunError``.
     """
     msgs = [
         Message(RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec})}), nid, MessageType.QUERY)
@@ -153,14 +180,38 @@ def discover(
         grid.send_and_receive(msgs, timeout=timeout),
         key=lambda r: order.get(r.metadata.src_node_id, len(order)),
     )
+    claims, foreign = [], []
     for rep in replies:
-        if rep.has_error():
-            raise RunError(
-                f"client on node {rep.metadata.src_node_id} failed to start: {first_line(str(rep.error.reason))}"
-            )
         nid = rep.metadata.src_node_id
-        m = rep.content[keys.METRICS]
-        pid = int(m[keys.PARTITION_ID])
+        why = _foreign_reason(rep)
+        if why is not None:
+            foreign.append((nid, why))
+        elif rep.has_error():
+            raise RunError(f"client on node {nid} failed to start: {first_line(str(rep.error.reason))}")
+        else:
+            m = rep.content[keys.METRICS]
+            claims.append((nid, int(m[keys.PARTITION_ID]), int(m[keys.NUM_EXAMPLES])))
+    bound = getattr(grid, "bound", {})  # a deployment's node gate: node id -> the partition it is bound to
+    taken = set(found) | {pid for _, pid, _ in claims}
+    limit = num_partitions if num_partitions is not None else len(taken) + len(foreign)
+    free = (p for p in range(limit) if p not in taken)  # lazy: sees the partitions taken meanwhile
+    for i, (nid, why) in enumerate(foreign):
+        pid = bound.get(nid)
+        pid = next(free, None) if pid is None else pid
+        if pid is None:
+            foreign[i] = (nid, f"{why}; no partition left for it, it gets no work")
+            continue
+        taken.add(pid)
+        claims.append((nid, pid, 0))
+        foreign[i] = (nid, f"{why}; partition {pid}")
+    if foreign:
+        _log().warning(
+            "%d node(s) run a ClientApp that is not fedsim's, identified by node id: %s",
+            len(foreign),
+            "; ".join(f"node {nid} ({why})" for nid, why in foreign[:5])
+            + (" ..." if len(foreign) > 5 else ""),
+        )
+    for nid, pid, size in claims:
         reason = check(nid, pid) if check is not None else None
         if reason is None and pid in found:
             reason = f"claims partition-id={pid}, which node {found[pid][0]} holds (two nodes claim it)"
@@ -168,14 +219,18 @@ def discover(
             if refuse is not None:
                 refuse(nid, pid, reason)
             else:
-                import logging
-
-                logging.getLogger("fedsim").warning("node %d refused, it gets no work: %s", nid, reason)
+                _log().warning("node %d refused, it gets no work: %s", nid, reason)
             continue
-        found[pid] = (nid, int(m[keys.NUM_EXAMPLES]))
+        found[pid] = (nid, size)
         if accept is not None:
             accept(nid, pid)
     return found
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("fedsim")
 
 
 def first_line(reason: str) -> str:
@@ -247,7 +302,7 @@ def check_reply_content(rep: Message, reference: dict[str, tuple[tuple, np.dtype
 
 
 def screen_replies(
-    replies: Iterable[Message], reference: ArrayRecord
+    replies: Iterable[Message], reference: ArrayRecord, partitions: Mapping[int, int] | None = None
 ) -> tuple[list[Message], list[tuple[str, str]]]:
     """Split train replies into valid ones and failures ``(kind, detail)``.
 
@@ -256,6 +311,11 @@ def screen_replies(
     ``partition-id`` and ``num-examples`` (``malformed``: a client that is not fedsim's), has arrays whose
     names or shapes (``shape``) or dtypes (``dtype``) differ from ``reference``, or holds NaN/Inf in its
     arrays or train loss (``nonfinite``). Each detail names the node and what is missing or different.
+
+    ``partitions`` maps node ids to partition ids (from discovery): a reply without ``partition-id`` from a
+    node listed there (a stock Flower ClientApp) gets its node's partition in a new MetricRecord. When such a
+    reply's arrays do not fit ``reference``, no round can ever use that client: ``RunError``, one line naming
+    the mismatch.
     """
     ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
     valid, failures = [], []
@@ -268,12 +328,28 @@ def screen_replies(
                 kind = "timeout" if "SimulatedTimeout" in reason else "error"
             failures.append((kind, first_line(reason)))
             continue
+        foreign = rep.has_content() and partitions is not None and _adopt(rep, partitions)
         problem = check_reply_content(rep, ref) if rep.has_content() else ("malformed", "an empty reply")
+        if problem is not None and foreign and problem[0] in ("shape", "dtype"):
+            raise RunError(
+                f"{problem[1]}: its ClientApp (not fedsim's) trains another model than the configured one; "
+                "configure that model (model=..., and the dataset= that gives its input shape)"
+            )
         if problem is not None:
             failures.append(problem)
             continue
         valid.append(rep)
     return valid, failures
+
+
+def _adopt(rep: Message, partitions: Mapping[int, int]) -> bool:
+    """Give a reply without ``partition-id`` its node's partition (True when it did: a foreign client's)."""
+    m = rep.content.get(keys.METRICS)
+    pid = partitions.get(int(rep.metadata.src_node_id))
+    if not isinstance(m, MetricRecord) or keys.PARTITION_ID in m or pid is None:
+        return False
+    rep.content[keys.METRICS] = MetricRecord({**dict(m.items()), keys.PARTITION_ID: int(pid)})
+    return True
 
 
 def nonfinite_arrays(arrays: ArrayRecord) -> list[str]:

@@ -17,6 +17,7 @@ from fedsim.checks import number
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
 from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
+from fedsim.strategies.flower_names import alias
 
 
 class FixedClipping(ClippingWrapper):
@@ -55,13 +56,15 @@ class FixedClipping(ClippingWrapper):
     debug_metrics : bool
         Also report exact per-round client statistics (clipped fraction, update norms) in DP mode. This
         breaks the privacy guarantee of metrics.jsonl; for debugging only.
+    clipping_norm, num_sampled_clients : optional
+        Flower's names (``DifferentialPrivacy*FixedClipping``) for ``clip_norm`` and ``clients_per_round``.
     """
 
     def __init__(
         self,
         strategy: Strategy,
         num_clients: int,
-        clients_per_round: int,
+        clients_per_round: int | None = None,
         clip_norm: float = 1.0,
         side: str = "server",
         noise_multiplier: float = 0.0,
@@ -72,12 +75,14 @@ class FixedClipping(ClippingWrapper):
         accountant: str = "rdp",
         noise_seed: int | None = None,
         debug_metrics: bool = False,
+        clipping_norm: float | None = None,
+        num_sampled_clients: int | None = None,
     ) -> None:
         super().__init__(
             strategy,
             num_clients,
-            clients_per_round,
-            clip_norm,
+            alias("clients_per_round", clients_per_round, None, "num_sampled_clients", num_sampled_clients),
+            alias("clip_norm", clip_norm, 1.0, "clipping_norm", clipping_norm),
             side,
             noise_multiplier,
             delta,
@@ -119,13 +124,16 @@ class AdaptiveClipping(ClippingWrapper):
         Geometric step ``eta_C`` > 0 (paper: 0.2).
     clipped_count_stddev : float or None
         Std ``sigma_b`` >= 0 of the noise on the unclipped count; ``None``: ``max(m / 20, z)`` with noise, else 0.
+    initial_clipping_norm, target_clipped_quantile, num_sampled_clients : optional
+        Flower's names (``DifferentialPrivacy*AdaptiveClipping``) for ``initial_clip_norm``, ``target_quantile``
+        and ``clients_per_round``.
     """
 
     def __init__(
         self,
         strategy: Strategy,
         num_clients: int,
-        clients_per_round: int,
+        clients_per_round: int | None = None,
         initial_clip_norm: float = 0.1,
         target_quantile: float = 0.5,
         clip_norm_lr: float = 0.2,
@@ -139,7 +147,19 @@ class AdaptiveClipping(ClippingWrapper):
         accountant: str = "rdp",
         noise_seed: int | None = None,
         debug_metrics: bool = False,
+        initial_clipping_norm: float | None = None,
+        target_clipped_quantile: float | None = None,
+        num_sampled_clients: int | None = None,
     ) -> None:
+        clients_per_round = alias(
+            "clients_per_round", clients_per_round, None, "num_sampled_clients", num_sampled_clients
+        )
+        initial_clip_norm = alias(
+            "initial_clip_norm", initial_clip_norm, 0.1, "initial_clipping_norm", initial_clipping_norm
+        )
+        target_quantile = alias(
+            "target_quantile", target_quantile, 0.5, "target_clipped_quantile", target_clipped_quantile
+        )
         super().__init__(
             strategy,
             num_clients,

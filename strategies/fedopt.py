@@ -22,7 +22,8 @@ class FedOpt(FedAvg):
     ``x = x + eta m / (sqrt(v) + tau)``, with ``m`` starting at 0 and ``v`` at ``tau^2``, and no bias
     correction. Subclasses set ``rule``. Differences from Flower's ``FedOpt`` family: Flower's ``FedAdam``
     adds an Adam bias correction with exponent ``round + 1`` and returns float64 arrays for a float32 model;
-    Flower starts ``v`` at 0; its unused ``eta_l`` is not taken here (the client lr is ``client.lr``).
+    Flower starts ``v`` at 0. Flower's ``eta_l`` (the client learning rate, unused by its server) is accepted
+    and kept as ``self.eta_l``; fedsim's clients train with ``client.lr``.
 
     Parameters
     ----------
@@ -32,14 +33,19 @@ class FedOpt(FedAvg):
         Decay of the first and second moments, in [0, 1).
     tau : float
         Adaptivity (added to ``sqrt(v)``), > 0.
+    eta_l : float, optional
+        Flower's client learning rate: kept, not used (set ``client.lr``).
     **kwargs
         Passed to ``FedAvg``.
     """
 
     rule: SecondMoment
 
-    def __init__(self, eta: float, beta_1: float, beta_2: float, tau: float, **kwargs: Any) -> None:
+    def __init__(
+        self, eta: float, beta_1: float, beta_2: float, tau: float, eta_l: float | None = None, **kwargs: Any
+    ) -> None:
         self.eta = number("eta", eta, 0.0, lo_open=True)
+        self.eta_l = None if eta_l is None else number("eta_l", eta_l, 0.0, lo_open=True)
         self.beta_1 = number("beta_1", beta_1, 0.0, 1.0, hi_open=True)
         self.beta_2 = number("beta_2", beta_2, 0.0, 1.0, hi_open=True)
         self.tau = number("tau", tau, 0.0, lo_open=True)

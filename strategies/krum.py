@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,7 +13,10 @@ from fedsim.checks import integer
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
 from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.flower_names import alias
 from fedsim.strategies.records import to_record
+
+log = logging.getLogger("fedsim")
 
 
 class Krum(FedAvg):
@@ -25,24 +29,43 @@ class Krum(FedAvg):
     differences in float64 (Flower expands ``|x|^2 + |y|^2 - 2 x.y``, which cancels badly on full weights).
 
     Needs ``n >= 2f + 3`` and ``num_selected <= n - f`` valid replies. fedsim calls ``check_cohort`` with
-    ``clients_per_round`` before training; a round that still ends with too few valid replies raises
-    ``ConfigError`` (set ``min_replies`` to at least ``max(2f + 3, num_selected + f)`` so that fedsim skips
-    such rounds instead).
+    ``clients_per_round`` before training; in fedsim's loop a round that still ends with too few valid replies
+    raises ``ConfigError``, which the loop records as a skipped round (set ``min_replies`` to at least
+    ``max(2f + 3, num_selected + f)`` to skip such rounds before aggregation). Inside Flower's own round loop
+    (``start``, a plain Flower ServerApp) such a round is skipped with a warning and the model is kept.
 
     Parameters
     ----------
     num_malicious : int
-        Number ``f`` of Byzantine clients tolerated, >= 0.
+        Number ``f`` of Byzantine clients tolerated, >= 0 (Flower's name: ``num_malicious_nodes``).
     num_selected : int
-        Number of models kept, >= 1.
+        Number of models kept, >= 1 (Flower's MultiKrum: ``num_nodes_to_select``).
     **kwargs
         Passed to ``FedAvg``.
     """
 
-    def __init__(self, num_malicious: int = 0, num_selected: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        num_malicious: int = 0,
+        num_selected: int = 1,
+        num_malicious_nodes: int | None = None,
+        num_nodes_to_select: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        num_malicious = alias("num_malicious", num_malicious, 0, "num_malicious_nodes", num_malicious_nodes)
+        num_selected = alias("num_selected", num_selected, 1, "num_nodes_to_select", num_nodes_to_select)
         self.num_malicious = integer("num_malicious", num_malicious, 0)
         self.num_selected = integer("num_selected", num_selected, 1)
+        self._in_flower_loop = False
         super().__init__(**kwargs)
+
+    def start(self, *args: Any, **kwargs: Any):
+        """Flower's round loop; a round with too few replies for Krum is skipped there (with a warning)."""
+        self._in_flower_loop = True
+        try:
+            return super().start(*args, **kwargs)
+        finally:
+            self._in_flower_loop = False
 
     def min_cohort(self) -> int:
         """The smallest number of valid replies Krum accepts: ``max(2f + 3, num_selected + f)``."""
@@ -84,6 +107,17 @@ class Krum(FedAvg):
         if not valid:
             return None, None
         if len(valid) < self.min_cohort():
+            if getattr(self, "_in_flower_loop", False):  # absent in strategies pickled before it existed
+                log.warning(
+                    "round %d skipped: %d valid replies, Krum needs at least %d (num_malicious=%d, "
+                    "num_selected=%d); the model is kept",
+                    server_round,
+                    len(valid),
+                    self.min_cohort(),
+                    self.num_malicious,
+                    self.num_selected,
+                )
+                return None, None
             raise ConfigError(
                 f"round {server_round} valid replies",
                 len(valid),
