@@ -34,7 +34,6 @@ from fedsim.training import evaluate, train_local
 app = ClientApp()
 
 
-def _task(msg: Message, context: Context) -> ClientTask:
 class MissingSpecError(RuntimeError):
     """fedsim's ClientApp got a message without a run spec and has no run config to build one from."""
 
@@ -85,6 +84,7 @@ def run_spec(msg: Message, context: Context) -> str:
     return spec_from_overrides(str(overrides))
 
 
+def _task(msg: Message, context: Context) -> ClientTask:
     """This node's task: its partition of the run's data set, or its own folder when ``data-dir`` is set."""
     spec = run_spec(msg, context)
     partition_id = node_partition(context.node_config, spec)
@@ -179,8 +179,6 @@ def train(msg: Message, context: Context) -> Message:
     )
 
 
-def _labels(task: ClientTask, ins) -> torch.Tensor:
-    """The training labels: flipped (``C - 1 - y``) when ``attack=label_flip`` names this client an attacker."""
 def _with_spec(msg: Message, spec: str) -> ConfigRecord:
     """The message's train config with the run spec in it (a copy when it had none: Flower's own servers)."""
     config = msg.content.config_records.get(keys.CONFIG)
@@ -201,6 +199,8 @@ def _clip_norm(ins) -> float | None:
     return float(value)
 
 
+def _labels(task: ClientTask, ins) -> torch.Tensor:
+    """The training labels: flipped (``C - 1 - y``) when ``attack=label_flip`` names this client an attacker."""
     if task.partition_id not in (ins.unhandled.get(attacks.LABEL_FLIP) or ()):
         return task.y_train
     return attacks.flip_labels(task.y_train, build_dataset(json.loads(ins.spec)).num_classes)
