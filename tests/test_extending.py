@@ -83,6 +83,29 @@ USER_FILES = {
         _target_: mystrategy.CountingAvg
         tag: mine
     """,
+    "mytask.py": '''
+        import torch
+
+        from fedsim.tasks import Task
+
+
+        class Huber(Task):
+            """Robust regression: Huber loss; the metric is the mean absolute error (lower is better)."""
+
+            name, metric, higher_is_better, targets = "huber", "mae", False, "values"
+
+            def loss(self, out, y, reduction="mean"):
+                return torch.nn.functional.huber_loss(out.squeeze(-1), y, reduction=reduction)
+
+            def score(self, out, y):
+                return float((out.squeeze(-1) - y).abs().sum())
+
+            def finish(self, total, y):
+                return total / y.shape[0]
+    ''',
+    "conf/task/huber.yaml": """
+        _target_: mytask.Huber
+    """,
     "conf/loss/smooth.yaml": """
         smoothing: 0.1
     """,
@@ -215,3 +238,25 @@ def test_config_dir_sweep_over_the_users_own_model_key(user_folder):
         "fedsim: config error: model='nosuch' is not allowed: expected one of cnn, logreg, mlp, widthnet"
         in (res.stderr)
     )
+
+
+@pytest.mark.slow
+def test_a_users_own_task_names_the_metric_and_its_direction(user_folder):
+    """docs/extending.md's Huber task: its metric (MAE, lower is better) names the outputs and the target."""
+    res = fedsim(
+        f"hydra.searchpath=[file://{user_folder}/conf]",
+        "task=huber",
+        "dataset=diabetes",
+        "+target_mae=0.9",
+        "hydra.run.dir=run",
+        *TINY,
+        "num_rounds=4",
+        cwd=user_folder,
+    )
+    assert res.returncode == 0, res.stderr
+    summary = json.loads((user_folder / "run" / "summary.json").read_text())
+    lines = [json.loads(ln) for ln in (user_folder / "run" / "metrics.jsonl").read_text().splitlines()]
+    maes = [ln["eval_mae"] for ln in lines]
+    assert summary["best_eval_mae"] == min(maes) and summary["final_eval_mae"] == maes[-1]
+    first = next((ln["round"] for ln in lines if ln["eval_mae"] <= 0.9), None)
+    assert summary["target_mae"] == 0.9 and summary["target_round"] == first
