@@ -68,6 +68,7 @@ from flwr.serverapp.strategy import Strategy
 from fedsim import keys
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
+from fedsim.grid_utils import first_line
 from fedsim.strategies import base
 from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.aggregate import (
@@ -212,6 +213,7 @@ class ClippingWrapper(Strategy):
         self.last_round_charged = 0  # the round number the last charge was for (charged once per round)
         self.current: dict[str, np.ndarray] | None = None
         self._stop_reason: str | None = None
+        self.error_replies = 0  # error replies received and not aggregated, over the run (Flower's own loop)
 
     # ---------------------------------------------------------------- privacy bookkeeping
     @property
@@ -289,8 +291,10 @@ class ClippingWrapper(Strategy):
         kept: list[tuple[Message, dict, dict]] = []
         bits: list[bool] = []  # True = not clipped (Andrew et al.'s b_k)
         unclipping_clients = 0
+        errors: list[Message] = []
         for msg in replies:
             if msg.has_error():
+                errors.append(msg)
                 continue
             arrays = reply_arrays(msg)
             try:
@@ -305,6 +309,16 @@ class ClippingWrapper(Strategy):
                 was_clipped = was_clipped or norm > c * (1 + _CLIENT_TOLERANCE)
             kept.append((msg, arrays, clipped))
             bits.append(not was_clipped)
+        if errors:
+            self.error_replies += len(errors)
+            log.warning(
+                "round %d: %d error repl(ies) not aggregated (%d in this run), e.g. node %d: %s",
+                server_round,
+                len(errors),
+                self.error_replies,
+                errors[0].metadata.src_node_id,
+                first_line(str(errors[0].error.reason)),
+            )
         if unclipping_clients:
             log.warning(
                 "round %d: %d client(s) sent updates above clip-norm=%g; clipped them on the server",

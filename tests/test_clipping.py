@@ -92,6 +92,34 @@ def test_wraps_any_flower_strategy():
         assert _move(out) <= 0.2 * (1 + 0.9 + 1e-6)  # FedAvgM's first step is the mean itself
 
 
+def test_error_replies_are_logged_and_counted_not_dropped_silently(caplog):
+    from flwr.app import Error, Message
+
+    s = fixed(clip_norm=0.3)
+    replies = make_replies(_updates(2, 1.0))
+    failed = Message(Error(2, "<class 'ValueError'>:<'client broke'>"), reply_to=_instruction(replies[0]))
+    with caplog.at_level("WARNING", logger="fedsim"):
+        out, _ = run_round(s, 1, G, [*replies, failed])
+        run_round(s, 2, G, [failed])
+    assert out is not None and s.error_replies == 2
+    assert "round 1: 1 error repl(ies) not aggregated (1 in this run)" in caplog.text
+    assert (
+        "client broke" in caplog.text
+        and "round 2: 1 error repl(ies) not aggregated (2 in this run)" in caplog.text
+    )
+
+
+def _instruction(reply):
+    """A train instruction to reply to, addressed like ``reply``'s."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from strategy_helpers import server_identity
+
+    with server_identity():
+        ins = Message(RecordDict({keys.CONFIG: ConfigRecord({})}), dst_node_id=999, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "error-instruction"
+    return ins
+
+
 # ---------------------------------------------------------------- client side
 def test_client_side_sends_clip_norm_and_uses_the_reported_bits():
     s = adaptive(side="client", initial_clip_norm=0.5, target_quantile=0.5, clip_norm_lr=0.2)
