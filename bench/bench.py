@@ -27,6 +27,8 @@ HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, **FLOWER_ENV, "PYTHONUNBUFFERED": "1"}
 # variant -> fedsim overrides (None: not a fedsim engine)
 VARIANTS = {
+    "auto": ["engine=auto"],  # the default engine
+    "auto-2threads": ["engine=auto", "engine.threads=2"],
     "inprocess": ["engine=inprocess"],
     "inprocess-w2": ["engine=inprocess", "engine.workers=2"],
     "vectorized": ["engine=vectorized"],
@@ -316,7 +318,7 @@ def machine_line() -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--variants", default="inprocess,inprocess-w2,vectorized,ray,flower,torch")
+    ap.add_argument("--variants", default="auto,inprocess,inprocess-w2,ray,flower,torch")
     ap.add_argument("--repeat", type=int, default=1, help="runs per variant (median reported)")
     ap.add_argument("--child")
     args = ap.parse_args()
@@ -336,8 +338,29 @@ def main() -> None:
     print(
         "start-up: wall time outside the rounds (imports, data, partitions, workers or Ray, first evaluation, exit). "
         "torch/this: plain torch's time / this one's (1.0 = no overhead); flower/this: times faster than vanilla "
-        "Flower run_simulation."
+        "Flower run_simulation (its ClientApp caches the data set and partitions per process, as Flower's "
+        "quickstart does)."
     )
+    print("\n".join(goals(rows, "default")))
+
+
+def goals(rows: list[tuple[str, str, dict]], scenario: str, round_goal: float = 0.9) -> list[str]:
+    """The default engine's goals for ``scenario``, met or not: torch/auto per round, flower/auto end to end."""
+    got = {v: s for sc, v, s in rows if sc == scenario and "error" not in s}
+    auto, t, fl = got.get("auto"), got.get("torch"), got.get("flower")
+    out = []
+    if auto and t and auto["per_round"] and t["per_round"]:
+        r = t["per_round"] / auto["per_round"]
+        out.append(
+            f"({scenario}) plain torch / auto (default engine), time per round: {r:.2f} "
+            f"(goal >= {round_goal}: {'met' if r >= round_goal else 'NOT met'})"
+        )
+    if auto and fl and scenario == "default":
+        r = fl["wall"] / auto["wall"]
+        out.append(
+            f"({scenario}) vanilla Flower / auto, end to end: {r:.1f}x (goal >= 5: {'met' if r >= 5 else 'NOT met'})"
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -56,14 +56,14 @@ SCENARIOS = {
 }
 FEDSIM = {
     **{k: v for k, v in bench.VARIANTS.items() if v is not None},
-    "vectorized-vmap": ["engine=vectorized", "engine.vmap_conv_cpu=true"],
+    "vectorized-vmap": ["engine=vectorized", "engine.vmap_conv_cpu=true"],  # grouped for Sequential CNNs
     "inprocess-pop1e4": ["engine=inprocess", "num_clients=10000", "dataset.num_train=200000"],
 }
 DEFAULT_VARIANTS = {
-    "a": "inprocess,inprocess-w2,vectorized,vectorized-vmap,ray,flower,torch",
-    "b": "inprocess,inprocess-w2,vectorized,ray,flower,torch",
+    "a": "auto,auto-2threads,inprocess,inprocess-w2,vectorized-vmap,ray,flower,torch",
+    "b": "auto,inprocess,inprocess-w2,ray,flower,torch",
     # ray is left out of (c): fedsim's discovery sends one query per node through Ray (10^5 Ray calls)
-    "c": "inprocess,inprocess-pop1e4,inprocess-w2,vectorized,flower,torch",
+    "c": "auto,inprocess,inprocess-pop1e4,inprocess-w2,flower,torch",
 }
 
 
@@ -230,13 +230,7 @@ def child(scenario: str, variant: str, rounds: int, small: bool) -> dict:
 def targets(rows: list[tuple[str, str, dict]]) -> list[str]:
     """The issue's targets, met or not, from the measured rows."""
     got = {(sc, v): s for sc, v, s in rows if "error" not in s}
-    out = []
-    t, ip = got.get(("a", "torch")), got.get(("a", "inprocess"))
-    if t and ip and t["per_round"] and ip["per_round"]:
-        r = t["per_round"] / ip["per_round"]
-        out.append(
-            f"(a) plain torch / inprocess, time per round: {r:.2f} (target >= 0.8: {'met' if r >= 0.8 else 'NOT met'})"
-        )
+    out = [*bench.goals(rows, "a", round_goal=1.0), *bench.goals(rows, "b")]
     for sc in ("a", "b"):
         fl = got.get((sc, "flower"))
         fed = {v: s for (s2, v), s in got.items() if s2 == sc and v in FEDSIM and v != "ray"}

@@ -31,24 +31,25 @@ def test_scale_bench_prints_its_table():
         "--scenarios",
         "a,c",
         "--variants",
-        "inprocess,torch",
+        "auto,inprocess,torch",
         "--rounds",
         "2",
         "--small",
     )
     rows = _rows(out)
-    assert set(rows) == {("a", "inprocess"), ("a", "torch"), ("c", "inprocess"), ("c", "torch")}
+    assert set(rows) == {(sc, v) for sc in "ac" for v in ("auto", "inprocess", "torch")}
     assert not any("failed:" in " ".join(r) for r in rows.values())
     assert rows[("a", "inprocess")][5] == rows[("a", "torch")][5]  # same SGD steps, same accuracy
-    assert "(a) plain torch / inprocess" in out and "(c) fedsim peak memory" in out
+    assert "(a) plain torch / auto (default engine), time per round" in out and "(c) fedsim peak memory" in out
 
 
 @pytest.mark.slow  # runs a benchmark script in fresh processes
 def test_default_bench_prints_its_table():
-    out = _run(str(BENCH / "bench.py"), "--rounds", "2", "--variants", "vectorized,torch")
+    out = _run(str(BENCH / "bench.py"), "--rounds", "2", "--variants", "auto,torch")
     rows = _rows(out)
-    assert set(rows) == {("default", "vectorized"), ("default", "torch")}
-    assert rows[("default", "vectorized")][5] == rows[("default", "torch")][5]
+    assert set(rows) == {("default", "auto"), ("default", "torch")}
+    assert rows[("default", "auto")][5] == rows[("default", "torch")][5]
+    assert "(default) plain torch / auto (default engine), time per round" in out
 
 
 @pytest.mark.slow  # runs a benchmark script in fresh processes
