@@ -305,3 +305,28 @@ def test_personal_layers_that_are_not_in_the_model_are_one_line(tmp_path):
     ):
         run_tiny(tmp_path, "strategy=fedper", "strategy.personal_layers=[head]")
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_per_client_state_on_the_ray_engine_matches_the_run_folders_store(tmp_path):
+    """On Ray each client's state lives in Flower's ``Context.state`` (as on a SuperNode), not in the run folder;
+    SCAFFOLD with clients that skip rounds and come back gives the inprocess engine's results."""
+    over = ["strategy=scaffold", "num_clients=6", "clients_per_round=3", "num_rounds=4", "seed=3"]
+    over += ["placement.num_cpus_per_client=1", "checkpoint_every=0"]
+    run_tiny(tmp_path / "inproc", "engine=inprocess", *over)
+    summary = run_tiny(tmp_path / "ray", "engine=ray", *over)
+    assert summary["engine"] == "ray" and summary["rounds_done"] == 4
+    assert (tmp_path / "inproc" / "client_state").is_dir() and not (
+        tmp_path / "ray" / "client_state"
+    ).exists()
+    a, b = (
+        without_wall_time(read_metrics(tmp_path / "inproc")),
+        without_wall_time(read_metrics(tmp_path / "ray")),
+    )
+    for ra, rb in zip(a, b, strict=True):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["round"], k)
+    ma, mb = torch.load(tmp_path / "inproc" / "model.pt"), torch.load(tmp_path / "ray" / "model.pt")
+    for k in ma:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-6)
