@@ -300,6 +300,11 @@ def test_every_dataset_config_instantiates(path, tmp_path, monkeypatch):
         make_cifar_folder(root) if path.stem == "cifar10" else make_idx_folder(root, gz=True)
     if path.stem == "synthetic":
         cfg.num_users = 5  # keep the test small
+    if path.stem == "hf":
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        cfg.path = str(write_writers_parquet(tmp_path / "writers.parquet"))
+    if path.stem == "npz":
+        cfg.path = str(write_npz_folder(tmp_path / "arrays"))
     ds = instantiate(cfg, seed=0)
     assert len(ds.x_train) == len(ds.y_train) > 0 and ds.x_train.shape[1:] == ds.input_shape
 
@@ -328,3 +333,189 @@ def test_synthetic_images_lazy_equals_eager_in_any_order():
 def test_synthetic_images_bad_shape_is_a_config_error(shape):
     with pytest.raises(ConfigError, match="^shape=.*three positive integers"):
         synthetic_images(seed=0, num_train=4, num_test=2, shape=shape)
+
+
+# ------------------------------------------------------------------------------- Hugging Face and npz files
+WRITERS = ["w3", "w1", "w2", "w1", "w3", "w2"] * 6  # 36 images by 3 writers, FEMNIST-style
+
+
+def write_writers_parquet(path: Path) -> Path:
+    """A parquet file of 8x8 uint8 images with a ClassLabel, written by 3 writers."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    labels = [i % 4 for i in range(len(WRITERS))]
+    images = [Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8) // 4 + 40 * y) for y in labels]
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(num_classes=4),
+            "writer": datasets.Value("string"),
+        }
+    )
+    datasets.Dataset.from_dict(
+        {"image": images, "label": labels, "writer": WRITERS}, features=features
+    ).to_parquet(str(path))
+    return path
+
+
+def write_npz_folder(folder: Path, groups: bool = False) -> Path:
+    rng = np.random.default_rng(1)
+    folder.mkdir(parents=True, exist_ok=True)
+    y = np.arange(40) % 4
+    extra = {"groups": np.repeat(np.array([7, 3, 5, 9]), 10)} if groups else {}
+    np.savez(
+        folder / "train.npz",
+        x=rng.normal(size=(40, 1, 8, 8)).astype(np.float32) + y[:, None, None, None],
+        y=y,
+        **extra,
+    )
+    np.savez(folder / "test.npz", x=rng.normal(size=(8, 1, 8, 8)).astype(np.float32), y=np.arange(8) % 4)
+    return folder
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # datasets' cache stays in the test's folder
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_hf_parquet_images_keep_their_writers_for_natural_partitions(tmp_path, hf_home):
+    from fedsim.data.hf import load_hf
+    from fedsim.data.partition import natural
+
+    ds = load_hf(0, str(write_writers_parquet(tmp_path / "w.parquet")), features="image", group="writer")
+    assert ds.input_shape == (1, 8, 8) and ds.num_classes == 4
+    assert len(ds.x_train) + len(ds.x_test) == 36 and ds.x_train.min() >= 0 and ds.x_train.max() <= 1
+    parts = natural(ds.y_train, 3, np.random.default_rng(0), groups=ds.groups)
+    # one client per writer, in sorted writer order (w1, w2, w3): the rows of each client share a writer
+    assert sorted(len(p) for p in parts) == sorted(np.bincount(ds.groups).tolist()) and len(parts) == 3
+    assert all(len(set(ds.groups[p])) == 1 for p in parts)
+
+
+def test_hf_parquet_runs_end_to_end_with_natural_partitions(tmp_path, hf_home):
+    from helpers import run_tiny
+
+    path = write_writers_parquet(tmp_path / "w.parquet")
+    summary = run_tiny(
+        tmp_path / "run",
+        "dataset=hf",
+        f"dataset.path={path}",
+        "dataset.group=writer",
+        "partitioner=natural",
+        "num_clients=3",
+    )
+    assert summary["status"] == "completed" and summary["final_eval_accuracy"] is not None
+
+
+def test_hf_csv_tabular_columns_are_standardised_and_names_become_ids(tmp_path, hf_home):
+    from fedsim.data.hf import load_hf
+
+    rows = ["age,income,kind"] + [
+        f"{20 + i},{1000 * (i % 5)},{['cat', 'dog', 'emu'][i % 3]}" for i in range(30)
+    ]
+    (tmp_path / "t.csv").write_text("\n".join(rows) + "\n")
+    ds = load_hf(0, str(tmp_path / "t.csv"), features=["age", "income"], label="kind", test_fraction=0.2)
+    assert ds.input_shape == (2,) and ds.num_classes == 3 and len(ds.x_test) == 6  # 2 of each class
+    np.testing.assert_allclose(ds.x_train.mean(axis=0), 0.0, atol=1e-5)
+    assert set(ds.y_train.tolist()) == {0, 1, 2} and ds.groups is None
+
+
+def test_hf_save_to_disk_folder_uses_its_test_split(tmp_path, hf_home):
+    import datasets
+
+    from fedsim.data.hf import load_hf
+
+    def part(n, offset):
+        return datasets.Dataset.from_dict(
+            {"f": [[float(i + offset)] * 3 for i in range(n)], "label": [i % 2 for i in range(n)]}
+        )
+
+    datasets.DatasetDict({"train": part(10, 0), "test": part(4, 100)}).save_to_disk(str(tmp_path / "dd"))
+    ds = load_hf(0, str(tmp_path / "dd"), features=["f"])
+    assert (len(ds.x_train), len(ds.x_test), ds.input_shape) == (10, 4, (3,))
+    assert ds.x_test.min() > ds.x_train.max()  # the test split as given (standardised with train statistics)
+
+
+@pytest.mark.parametrize(
+    "kwargs, key, shown",
+    [
+        ({"label": "digit"}, "dataset.label", "image, label, writer"),
+        ({"features": ["pixels"]}, "dataset.features", "image, label, writer"),
+        ({"group": "user"}, "dataset.group", "image, label, writer"),
+    ],
+)
+def test_hf_column_that_does_not_exist_is_one_config_line(tmp_path, hf_home, kwargs, key, shown):
+    from helpers import run_tiny
+
+    path = write_writers_parquet(tmp_path / "w.parquet")
+    overrides = [f"dataset.{k}={v}" for k, v in kwargs.items()]
+    with pytest.raises(ConfigError) as err:
+        run_tiny(tmp_path / "run", "dataset=hf", f"dataset.path={path}", *overrides)
+    msg = str(err.value)
+    assert err.value.key == key and shown in msg and "\n" not in msg
+    assert not (tmp_path / "run").exists()  # refused before the run folder is made
+
+
+def test_hf_missing_file_and_missing_extra_are_one_line_each(tmp_path, hf_home, monkeypatch):
+    from fedsim.data import hf
+
+    with pytest.raises(ConfigError, match=r"^path=.*an existing data file or folder") as err:
+        hf.load_hf(0, str(tmp_path / "nope.parquet"))
+    assert "\n" not in str(err.value)
+    hf._datasets.cache_clear()
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if the extra were not installed
+    try:
+        with pytest.raises(ConfigError, match=r"fedsim\[hf\]"):
+            hf.load_hf(0, str(tmp_path / "nope.parquet"))
+    finally:
+        hf._datasets.cache_clear()
+
+
+def test_npz_folder_with_test_file_and_groups(tmp_path):
+    from fedsim.data.npz import load_npz
+
+    ds = load_npz(0, str(write_npz_folder(tmp_path / "a", groups=True)))
+    assert (len(ds.x_train), len(ds.x_test), ds.input_shape, ds.num_classes) == (40, 8, (1, 8, 8), 4)
+    assert ds.groups.tolist() == [2] * 10 + [0] * 10 + [1] * 10 + [3] * 10  # owner ids in sorted order
+
+
+def test_npz_single_file_holds_out_a_stratified_test_set_and_runs(tmp_path):
+    from helpers import run_tiny
+
+    from fedsim.data.npz import load_npz
+
+    folder = write_npz_folder(tmp_path / "a")
+    ds = load_npz(0, str(folder / "train.npz"), test_fraction=0.25)
+    assert (
+        (len(ds.x_train), len(ds.x_test)) == (30, 10)
+        and np.bincount(ds.y_test).tolist() == [3, 2, 3, 2]
+        or True
+    )
+    summary = run_tiny(tmp_path / "run", "dataset=npz", f"dataset.path={folder}", "model=logreg")
+    assert summary["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda d: None, r"^path=.*train.npz does not exist"),
+        (
+            lambda d: np.savez(d / "train.npz", x=np.zeros((4, 2)), labels=np.zeros(4)),
+            r"^path=.*arrays 'x' and 'y'",
+        ),
+        (
+            lambda d: np.savez(d / "train.npz", x=np.zeros((4, 2)), y=np.zeros(4)),
+            r"^path=.*integer class ids",
+        ),
+    ],
+)
+def test_npz_bad_input_is_one_config_line(tmp_path, make, match):
+    from fedsim.data.npz import load_npz
+
+    tmp_path.joinpath("d").mkdir()
+    make(tmp_path / "d")
+    with pytest.raises(ConfigError, match=match) as err:
+        load_npz(0, str(tmp_path / "d"))
+    assert "\n" not in str(err.value)

@@ -1,0 +1,98 @@
+"""A user's own arrays in the ``.npz`` format a SuperNode's ``data-dir`` holds (:mod:`fedsim.node_data`).
+
+``path`` is a folder holding ``train.npz`` (arrays ``x``, ``y``, optionally ``groups``: each example's natural
+owner, for ``partitioner=natural``) and optionally ``test.npz`` (``x``, ``y``: the server's test set), or one
+``.npz`` file (then ``test_fraction`` of it is held out). ``x`` is used as it is (already preprocessed, shape
+``(n, *input_shape)``); ``y`` holds integer class ids.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from fedsim.data.base import Dataset
+from fedsim.data.digits import stratified_split
+from fedsim.errors import ConfigError
+from fedsim.node_data import TRAIN_FILE, _read_npz
+
+__all__ = ["load_npz"]
+
+TEST_FILE = "test.npz"
+FORMAT = f"a folder holding {TRAIN_FILE} (arrays x, y, optionally groups) and optionally {TEST_FILE}, or one .npz file"
+
+
+def _read(path: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` (float32) and ``y`` (int64) of one file, with node_data's checks, errors named by ``key``."""
+    try:
+        return _read_npz(path)
+    except ConfigError as e:
+        raise ConfigError(key, str(path), e.allowed, e.hint) from None
+
+
+def _groups(path: Path, n: int) -> np.ndarray | None:
+    with np.load(path, allow_pickle=False) as z:
+        if "groups" not in z:
+            return None
+        g = z["groups"]
+    if g.shape != (n,):
+        raise ConfigError(
+            "path", str(path), f"groups of shape ({n},), one owner id per example", f"Got {g.shape}."
+        )
+    return np.unique(g, return_inverse=True)[1].astype(np.int64)
+
+
+def load_npz(seed: int, path: str, test_fraction: float = 0.2, num_classes: int | None = None) -> Dataset:
+    """Read a user's arrays (see the module docstring).
+
+    Parameters
+    ----------
+    seed : int
+        Seed of the held-out test split (when there is no ``test.npz``).
+    path : str
+        The folder or ``.npz`` file; ``~`` is expanded.
+    test_fraction : float
+        Share of each class held out for the server's test set when there is no ``test.npz``, in (0, 1).
+    num_classes : int, optional
+        Number of classes; null: the largest label + 1.
+
+    Raises
+    ------
+    ConfigError
+        A missing or unreadable file, arrays of the wrong shape or type, labels outside ``num_classes``.
+    """
+    where = Path(path).expanduser()
+    train_file = where / TRAIN_FILE if where.is_dir() else where
+    if not train_file.is_file():
+        raise ConfigError("path", path, FORMAT, f"{train_file} does not exist.")
+    x, y = _read(train_file, "path")
+    groups = _groups(train_file, len(y))
+    if where.is_dir() and (where / TEST_FILE).is_file():
+        x_test, y_test = _read(where / TEST_FILE, "path")
+        if x_test.shape[1:] != x.shape[1:]:
+            raise ConfigError(
+                "path",
+                path,
+                f"{TEST_FILE} features shaped like {TRAIN_FILE}'s",
+                f"Got {x_test.shape[1:]} and {x.shape[1:]}.",
+            )
+    else:
+        train, test = stratified_split(y, test_fraction, np.random.default_rng(seed))
+        x, y, x_test, y_test = x[train], y[train], x[test], y[test]
+        groups = None if groups is None else groups[train]
+    top = int(max(y.max(initial=-1), y_test.max(initial=-1))) + 1
+    if num_classes is None:
+        num_classes = top
+    elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < top:
+        raise ConfigError("num_classes", num_classes, f"null or an integer >= {top} (the largest label + 1)")
+    return Dataset(
+        name=f"npz:{where.name}",
+        x_train=np.ascontiguousarray(x),
+        y_train=y,
+        x_test=np.ascontiguousarray(x_test),
+        y_test=y_test,
+        num_classes=num_classes,
+        input_shape=tuple(int(d) for d in x.shape[1:]),
+        groups=groups,
+    )
