@@ -279,7 +279,8 @@ class AsyncLoop:
                 )
             return False
         start = self.models[t.version]
-        valid, failures = screen_replies([reply], self.state.arrays)
+        # a stock Flower ClientApp reports no partition-id: its reply is this task's partition
+        valid, failures = screen_replies([reply], self.state.arrays, {self.node_of[t.pid]: t.pid})
         if failures:
             p.failures.extend(failures)
             return False

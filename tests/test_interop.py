@@ -103,6 +103,15 @@ def test_stock_clientapp_trains_under_fedsim_server(tmp_path, caplog):
     assert "6 node(s) run a ClientApp that is not fedsim's, identified by node id" in caplog.text
 
 
+def test_stock_clientapp_under_fedsims_async_loop(tmp_path):
+    from fedsim.run import run_experiment
+
+    cfg = compose_cfg(*TINY, "strategy=fedbuff", "strategy.buffer_size=2", "strategy.concurrency=3")
+    summary = run_experiment(cfg, tmp_path, grid=_stock_grid(6))
+    assert summary["status"] == "completed" and summary["rounds_done"] == 2
+    assert all(r.get("failures", 0) == 0 for r in read_metrics(tmp_path))
+
+
 def test_stock_client_with_another_model_is_one_line_naming_the_mismatch(tmp_path):
     from fedsim.run import run_experiment
 
