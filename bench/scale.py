@@ -184,10 +184,10 @@ def compose(overrides: list[str]):
     return fedsim_compose(*overrides)
 
 
-def child(scenario: str, variant: str, rounds: int, small: bool) -> dict:
-    """Run one variant of one scenario in this process; return its figures."""
+def child(scenario: str, variant: str, rounds: int, small: bool, extra: tuple[str, ...] = ()) -> dict:
+    """Run one variant of one scenario (plus ``extra`` overrides) in this process; return its figures."""
     sc = SCENARIOS[scenario]
-    overrides = [*sc["overrides"], *(sc["small"] if small else []), f"num_rounds={rounds}"]
+    overrides = [*sc["overrides"], *(sc["small"] if small else []), f"num_rounds={rounds}", *extra]
     if variant in FEDSIM:
         return bench.fedsim_child([*overrides, *FEDSIM[variant]])
     if scenario == "b":
@@ -262,6 +262,40 @@ def targets(rows: list[tuple[str, str, dict]]) -> list[str]:
     return out
 
 
+SWEEPS = {  # label -> overrides of scenario (c); 20 lazily made images per client
+    "population": {
+        f"10^{e}": [f"num_clients={10**e}", f"dataset.num_train={20 * 10**e}", "clients_per_round=100"]
+        for e in (3, 4, 5, 6)
+    },
+    "cohort": {
+        str(c): ["num_clients=100000", "dataset.num_train=2000000", f"clients_per_round={c}"]
+        for c in (10, 100, 1000)
+    },
+}
+
+
+def sweep(kind: str, rounds: int, timeout: float) -> None:
+    """Print peak memory, partition time, start-up and time per round of (c) on the default engine."""
+    before = bench.machine_line()
+    lines = [f"{kind:>12}{'peak MB':>9}{'partitions s':>14}{'start-up s':>12}{'round s':>9}{'wall s':>8}"]
+    for label, extra in SWEEPS[kind].items():
+        argv = [__file__, "--child", "c", "auto", "--rounds", str(rounds)]
+        argv += [a for o in extra for a in ("--override", o)]
+        s = bench.summarise([bench.run_child(argv, timeout)])
+        print(f"  {kind} {label}: {s.get('wall') or s.get('error')}", file=sys.stderr, flush=True)
+        if "error" in s:
+            lines.append(f"{label:>12}  failed: {s['error']}")
+            continue
+        lines.append(
+            f"{label:>12}{s['peak_mb']:>9.0f}{s['partitions_s']:>14.2f}{s['startup']:>12.2f}"
+            f"{bench._f(s['per_round'], '9.3f')}{s['wall']:>8.1f}"
+        )
+    print(
+        f"\n(c) sweep over the {kind}, engine auto, {rounds} rounds; before: {before}; after: {bench.machine_line()}"
+    )
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--scenarios", default="a,b,c")
@@ -271,9 +305,19 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=600, help="seconds per run")
     ap.add_argument("--small", action="store_true", help="tiny populations (smoke test)")
     ap.add_argument("--child", nargs=2, metavar=("SCENARIO", "VARIANT"))
+    ap.add_argument("--override", action="append", default=[], help="extra fedsim override (child side)")
+    ap.add_argument(
+        "--sweep",
+        choices=("population", "cohort"),
+        help="(c) with the default engine: peak memory and time per round against the population "
+        "(10^3 ... 10^6, 100 per round) or against the cohort (10 ... 1,000 of 10^5)",
+    )
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.rounds, args.small)))
+        print(json.dumps(child(*args.child, args.rounds, args.small, tuple(args.override))))
+        return
+    if args.sweep:
+        sweep(args.sweep, args.rounds, args.timeout)
         return
     unknown = [sc for sc in args.scenarios.split(",") if sc not in DEFAULT_VARIANTS]
     if unknown:

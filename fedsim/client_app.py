@@ -27,7 +27,7 @@ from fedsim.algorithms.state import ClientState, ContextState, DirectoryState
 from fedsim.build import ClientTask, build_dataset, client_algorithm, client_task
 from fedsim.errors import ConfigError
 from fedsim.faults import SimulatedTimeout
-from fedsim.messages import incoming_arrays, parse_train, train_reply
+from fedsim.messages import global_state, incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
 from fedsim.training import evaluate, train_local
 
@@ -108,7 +108,7 @@ def _load(task: ClientTask, arrays: ArrayRecord) -> None:
             "the arrays received do not fit the model fedsim's config builds (" + "; ".join(what) + "): "
             "configure the same model on both sides (run_config overrides, e.g. model=...)"
         )
-    task.model.load_state_dict(arrays.to_torch_state_dict(), strict=True)
+    task.model.load_state_dict(global_state(arrays), strict=True)  # parsed once per cohort in local engines
 
 
 def _clip_to(task: ClientTask, start: dict[str, torch.Tensor], clip_norm: float) -> tuple[float, bool]:

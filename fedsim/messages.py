@@ -8,6 +8,9 @@ one path and silently ignored on the other: a key that the batched path does not
 
 from __future__ import annotations
 
+import functools
+import io
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +106,51 @@ def train_reply(
         keys.EXAMPLES_PROCESSED: int(examples_processed),
         **(extra or {}),
     }
-    records = {keys.ARRAYS: ArrayRecord(state), keys.METRICS: MetricRecord(metrics)}
+    records = {keys.ARRAYS: array_record(state), keys.METRICS: MetricRecord(metrics)}
     for name, arrays in (outgoing or {}).items():
         records[name] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
     return Message(RecordDict(records), reply_to=msg)
+
+
+# ------------------------------------------------------------------------ ArrayRecord conversions, fewer copies
+@functools.lru_cache(maxsize=256)
+def _npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """The ``.npy`` header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape``."""
+    buf = io.BytesIO()
+    np.save(buf, np.zeros(shape, dtype=dtype), allow_pickle=False)
+    return buf.getvalue()[: -int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize or None]
+
+
+def to_array(t: torch.Tensor) -> Array:
+    """``Array(t)`` with one copy instead of ``np.save``'s two (header cached per dtype and shape).
+
+    The bytes are those ``np.save`` writes for the tensor's values in C order, so ``Array.numpy()`` and every
+    Flower serialiser read them unchanged.
+    """
+    x = t.detach().cpu().numpy()
+    x = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # (ascontiguousarray makes 0-d arrays 1-d)
+    header = _npy_header(x.dtype.str, x.shape)
+    return Array(dtype=str(x.dtype), shape=tuple(x.shape), stype="numpy.ndarray", data=header + x.tobytes())
+
+
+def array_record(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    """An ArrayRecord of a state dict (``ArrayRecord(state)``, built by :func:`to_array`)."""
+    return ArrayRecord({k: to_array(v) for k, v in state.items()})
+
+
+_LAST_GLOBAL: list = [None, None, None]  # weak reference to a record, its arrays' identity, its state dict
+
+
+def global_state(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
+    """``arrays.to_torch_state_dict()``, converted once per record object: local engines hand one ArrayRecord
+    object to every client of a cohort, so the cohort parses the global model once instead of once per client.
+
+    The tensors are shared: load them (``load_state_dict`` copies), never modify them.
+    """
+    ident = tuple((k, id(a), id(a.data)) for k, a in arrays.items())  # an Array replaced or rewritten: miss
+    ref, known, state = _LAST_GLOBAL
+    if ref is not None and ref() is arrays and known == ident:
+        return state
+    state = arrays.to_torch_state_dict()
+    _LAST_GLOBAL[:] = [weakref.ref(arrays), ident, state]
+    return state

@@ -97,3 +97,40 @@ def test_a_failing_ray_engine_is_one_run_error_and_ends_the_server_waits(monkeyp
         ray_engine.run(2, lambda grid: wait_for_nodes(grid, 2, timeout=300), backend)
     waited["thread"].join(timeout=10)
     assert waited["error"] == "the Ray simulation engine stopped" and waited["s"] < 5
+
+
+# ------------------------------------------------------------- ArrayRecord conversions in local engines
+def test_reply_arrays_are_the_bytes_flower_writes():
+    import numpy as np
+    from flwr.app import Array
+
+    from fedsim.messages import to_array
+
+    cases = [torch.randn(3, 4), torch.tensor(2.5), torch.zeros(0, 3), torch.arange(5), torch.ones(2).bool()]
+    for t in cases:
+        a, b = to_array(t), Array(t)
+        assert (a.data, a.dtype, a.shape, a.stype) == (b.data, b.dtype, b.shape, b.stype)
+    for t in (torch.randn(4, 3).t(), torch.randn(2, 3)[:, 1]):  # not C-contiguous: same values, C order
+        np.testing.assert_array_equal(to_array(t).numpy(), t.numpy())
+
+
+def test_the_global_model_is_parsed_once_per_record_object(monkeypatch):
+    from flwr.app import Array, ArrayRecord
+
+    from fedsim.messages import global_state
+
+    record = ArrayRecord({"w": torch.ones(2, 2), "b": torch.zeros(2)})
+    calls = []
+    original = ArrayRecord.to_torch_state_dict
+
+    def counting(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(ArrayRecord, "to_torch_state_dict", counting)
+    first = global_state(record)
+    assert global_state(record) is first and len(calls) == 1
+    record["b"] = Array(torch.full((2,), 3.0))  # the same object, changed: parsed again
+    assert torch.equal(global_state(record)["b"], torch.full((2,), 3.0)) and len(calls) == 2
+    other = ArrayRecord({"w": torch.ones(2, 2), "b": torch.zeros(2)})
+    assert global_state(other) is not first and len(calls) == 3
