@@ -490,6 +490,21 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             clients_per_round=clients_per_round,
             seed=int(cfg.seed),
         )
+    if cfg.get("selection") is not None and cfg.selection.get("_target_"):  # asked first for the cohort
+        if cfg.clipping.get("_target_"):
+            raise ConfigError(
+                "selection",
+                cfg.selection._target_.rsplit(".", 1)[-1],
+                "uniform with clipping (the clipping wrapper draws every cohort itself, e.g. DP's Poisson sampling)",
+            )
+        strategy = _instantiate(
+            "selection",
+            cfg.selection,
+            strategy=strategy,
+            num_clients=int(cfg.num_clients),
+            clients_per_round=clients_per_round,
+            seed=int(cfg.seed),
+        )
     return strategy
 
 
@@ -512,6 +527,12 @@ def _check_async(cfg: DictConfig, strategy) -> None:
             "attack",
             cfg.attack._target_.rsplit(".", 1)[-1],
             "none with an asynchronous strategy (attacks wrap synchronous aggregation)",
+        )
+    if cfg.get("selection") is not None and cfg.selection.get("_target_"):
+        raise ConfigError(
+            "selection",
+            cfg.selection._target_.rsplit(".", 1)[-1],
+            "uniform with an asynchronous strategy (it picks each next client itself)",
         )
 
 

@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # "clipping_norm", Flower's client-side DP
 
-from fedsim import attacks, keys
+from fedsim import attacks, keys, selection
 from fedsim.algorithms.base import LocalRun
 from fedsim.algorithms.state import ClientState, ContextState, DirectoryState
 from fedsim.build import ClientTask, build_dataset, client_algorithm, client_task
@@ -206,6 +206,13 @@ def _labels(task: ClientTask, ins) -> torch.Tensor:
     return attacks.flip_labels(task.y_train, build_dataset(json.loads(ins.spec)).num_classes)
 
 
+def _eval_split(task: ClientTask, cfg: ConfigRecord) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation split, or the training split for a selection probe (``probe-train-loss``)."""
+    if cfg.get(selection.PROBE_TRAIN):
+        return task.x_train, task.y_train
+    return task.x_val, task.y_val
+
+
 def _state_store(context: Context, partition_id: int, index: int) -> ClientState:
     """Where this client's persistent state lives: the run folder in simulation, the SuperNode in deployment."""
     root = context.node_config.get(keys.NODE_STATE_DIR)
@@ -242,8 +249,8 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     if algorithm.stateful:  # the state this client saved in round r is version r: read it for round r's eval
         rnd = int(cfg.get(keys.SERVER_ROUND, 0))
         algorithm.personalize(task.model, _state_store(context, task.partition_id, rnd + 1).load())
-    loss, acc = evaluate(task.model, task.x_val, task.y_val)
-    n = int(task.x_val.shape[0])
+    loss, acc = evaluate(task.model, *_eval_split(task, cfg))
+    n = int(_eval_split(task, cfg)[0].shape[0])
     metrics = {
         keys.NUM_EXAMPLES: n,
         keys.EVAL_LOSS: 0.0 if n == 0 else loss,

@@ -33,6 +33,7 @@ from fedsim.grid_utils import (
 )
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
+from fedsim.selection import probe_losses
 from fedsim.state import LoopConfig, RunState
 from fedsim.strategies import base
 from fedsim.training import examples_processed, steps_within
@@ -183,6 +184,17 @@ def run_sync(
         rnd = state.round + 1
         t0 = time.perf_counter()
         cohort = base.sample_cohort(strategy, rnd, loop.num_clients, loop.clients_per_round)
+        if cohort is None:  # selection=: e.g. power of choice, which probes candidates' losses first
+            cohort = base.select_cohort(
+                strategy,
+                rnd,
+                loop.num_clients,
+                loop.clients_per_round,
+                lambda pids, rnd=rnd: probe_losses(
+                    grid, node_of, pids, state.arrays, spec, rnd, loop.round_timeout
+                ),
+                sizes,
+            )
         if cohort is None:
             cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
         plans = {p.pid: p for p in plan_round(clock, work, cohort, rnd)}

@@ -22,6 +22,9 @@ capability                    meaning
                               sampling, which the privacy accountant must match).
 :class:`ReportsSummary`       ``summary_fields()`` returns entries for summary.json (e.g. the privacy
                               guarantee: epsilon, delta, accountant, sampling).
+:class:`SelectsCohort`       ``select_cohort(server_round, num_clients, clients_per_round, losses, sizes)``:
+                              a selection rule (``fedsim.selection``, e.g. power of choice) picks the
+                              cohort, asking candidates for their loss through ``losses(partition_ids)``.
 :class:`CountsMalicious`     ``malicious_among(partition_ids)``: how many of a round's replies came from
                               attackers (``fedsim.attacks``; metrics.jsonl field ``malicious``).
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import io
 import pickle as _pickle
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
 from flwr.app import Message, MetricRecord
@@ -63,6 +66,20 @@ class SamplesCohort(Protocol):
     """A strategy that draws each round's cohort itself (sorted partition ids)."""
 
     def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int]: ...
+
+
+@runtime_checkable
+class SelectsCohort(Protocol):
+    """A client-selection rule (``fedsim.selection``) that may probe clients before choosing the cohort."""
+
+    def select_cohort(
+        self,
+        server_round: int,
+        num_clients: int,
+        clients_per_round: int,
+        losses: Callable[[list[int]], dict[int, float]],
+        sizes: dict[int, int] | None = None,
+    ) -> list[int]: ...
 
 
 @runtime_checkable
@@ -121,7 +138,26 @@ def sample_cohort(
 
 def malicious_count(strategy: object, partition_ids: Iterable[int]) -> int | None:
     """How many of ``partition_ids`` are attackers, or None when the run has no attack."""
-    return int(strategy.malicious_among(partition_ids)) if isinstance(strategy, CountsMalicious) else None
+    count = strategy.malicious_among(partition_ids) if isinstance(strategy, CountsMalicious) else None
+    return None if count is None else int(count)
+
+
+def select_cohort(
+    strategy: object,
+    server_round: int,
+    num_clients: int,
+    clients_per_round: int,
+    losses: Callable[[list[int]], dict[int, float]],
+    sizes: dict[int, int] | None = None,
+) -> list[int] | None:
+    """The cohort a selection rule (``selection=``) picks, or None to let the loop draw it uniformly.
+
+    ``losses(partition_ids)`` asks those clients for their local loss under the current global model.
+    """
+    if isinstance(strategy, SelectsCohort):
+        cohort = strategy.select_cohort(server_round, num_clients, clients_per_round, losses, sizes)
+        return sorted(int(p) for p in cohort)
+    return None
 
 
 def summary_fields(strategy: object) -> dict[str, Any]:
