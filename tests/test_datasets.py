@@ -519,3 +519,13 @@ def test_npz_bad_input_is_one_config_line(tmp_path, make, match):
     with pytest.raises(ConfigError, match=match) as err:
         load_npz(0, str(tmp_path / "d"))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("option", ["hf", "npz"])
+def test_a_missing_path_is_one_config_line(option, tmp_path):
+    from helpers import run_tiny
+
+    with pytest.raises(
+        ConfigError, match=r"^dataset\.path=None is not allowed: .* Set it, e\.g\. dataset\.path="
+    ):
+        run_tiny(tmp_path / "run", f"dataset={option}")

@@ -135,7 +135,7 @@ def _subset(n: int, limit: int | None, rng: np.random.Generator, key: str) -> np
 
 def load_hf(
     seed: int,
-    path: str,
+    path: str | None = None,
     features: Sequence[str] | str = ("image",),
     label: str = "label",
     group: str | None = None,
@@ -175,6 +175,13 @@ def load_hf(
     ConfigError
         ``datasets`` is not installed, ``path`` cannot be read, a column does not exist, or a value is bad.
     """
+    if not path:
+        raise ConfigError(
+            "path",
+            path,
+            "a data file or folder, or a Hub name",
+            "Set it, e.g. dataset.path=data/train.parquet.",
+        )
     names = [features] if isinstance(features, str) else list(features)
     if not names:
         raise ConfigError("features", features, "one image column or a list of numeric columns")

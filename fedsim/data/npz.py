@@ -43,7 +43,9 @@ def _groups(path: Path, n: int) -> np.ndarray | None:
     return np.unique(g, return_inverse=True)[1].astype(np.int64)
 
 
-def load_npz(seed: int, path: str, test_fraction: float = 0.2, num_classes: int | None = None) -> Dataset:
+def load_npz(
+    seed: int, path: str | None = None, test_fraction: float = 0.2, num_classes: int | None = None
+) -> Dataset:
     """Read a user's arrays (see the module docstring).
 
     Parameters
@@ -62,6 +64,8 @@ def load_npz(seed: int, path: str, test_fraction: float = 0.2, num_classes: int 
     ConfigError
         A missing or unreadable file, arrays of the wrong shape or type, labels outside ``num_classes``.
     """
+    if not path:
+        raise ConfigError("path", path, FORMAT, "Set it, e.g. dataset.path=/path/to/folder.")
     where = Path(path).expanduser()
     train_file = where / TRAIN_FILE if where.is_dir() else where
     if not train_file.is_file():
