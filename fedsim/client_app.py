@@ -51,10 +51,10 @@ def spec_from_overrides(overrides: str) -> str:
         The overrides do not compose (one line naming them).
     """
     from fedsim.build import client_spec
-    from fedsim.server_app import DeployConfigError, compose_config, parse_overrides
+    from fedsim.server_app import DeployConfigError, experiment_from
 
-    try:
-        cfg, _ = compose_config(parse_overrides(overrides))
+    try:  # the same composition and checks (unknown keys, bad syntax) as fedsim's ServerApp
+        cfg, _, _ = experiment_from({OVERRIDES: overrides})
     except (ConfigError, DeployConfigError) as e:
         raise MissingSpecError(
             f"fedsim's ClientApp cannot build its task from run_config {OVERRIDES}: {e}"

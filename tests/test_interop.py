@@ -376,3 +376,13 @@ def test_stock_clientapp_under_fedsims_serverapp_on_a_superlink(_deploy_federati
     rounds = [r for r in read_metrics(out) if r["round"] > 0]
     assert [r["num_clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
     assert "run a ClientApp that is not fedsim's, identified by node id" in fed.run_log(run_id)
+
+
+def test_fedsim_clientapp_names_a_bad_run_config_override_in_one_line():
+    initial = _initial(OVERRIDES)
+    with _ConfiguredPool(3, {"overrides": "num_clients=3 strategy.nope=1"}) as grid:
+        msgs = list(flwr_strategies.FedAvg(**FLOWER_KW).configure_train(1, initial, ConfigRecord(), grid))
+        replies = list(grid.send_and_receive(msgs))
+    reasons = [str(r.error.reason) for r in replies if r.has_error()]
+    assert len(reasons) == 3 and all("cannot build its task from run_config overrides" in r for r in reasons)
+    assert "strategy.nope" in reasons[0]
