@@ -464,6 +464,87 @@ def test_sigterm_on_the_ray_engine_is_an_interrupt_too(tmp_path):
     assert ckpt["round"] == summary["rounds_done"] == read_metrics(tmp_path / "run")[-1]["round"]
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child nobody has reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reaper reads /proc")
+def test_the_reaper_kills_what_a_dead_parent_left_and_nothing_else(tmp_path):
+    """A parent that dies leaves a grandchild; the watcher it started kills that one, not an unrelated
+    process, and a parent that stops its watcher leaves everything alone."""
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "from fedsim.engines.reaper import Reaper\n"
+        "reaper = Reaper()\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(2.5)  # the watcher notes the child\n"
+        "if sys.argv[1] == 'stop':\n"
+        "    reaper.stop()\n"
+        "    sys.exit(0)\n"
+        "time.sleep(60)\n"
+    )
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    for mode in ("kill", "stop"):
+        parent = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
+        child = int(parent.stdout.readline())
+        if mode == "kill":
+            time.sleep(2.0)
+            parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while mode == "kill" and _running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        alive = _running(child)
+        assert alive == (mode == "stop"), mode
+        if alive:
+            os.kill(child, signal.SIGKILL)
+    assert bystander.poll() is None  # not a descendant of the parent: untouched
+    bystander.kill()
+    bystander.wait()
+
+
+def _ray_processes() -> set[int]:
+    """Pids of Ray's processes on this machine (raylet, GCS, agents, workers)."""
+    out = subprocess.run(
+        ["pgrep", "-f", "ray::|raylet|gcs_server|default_worker"], capture_output=True, text=True
+    ).stdout
+    return {int(p) for p in out.split()}
+
+
+@pytest.mark.slow
+def test_a_sigkilled_ray_run_leaves_no_ray_process_behind_for_long(tmp_path):
+    """SIGKILL cannot be handled: fedsim.engines.reaper, a watcher in its own session, kills what the run left
+    (Ray's agents used to linger for two minutes, trying to reach the dead GCS)."""
+    before = _ray_processes()
+    over = [*TINY, "num_rounds=300", "engine=ray", "hydra.run.dir=run"]
+    proc = fedsim_cli(*over, cwd=tmp_path, background=True, start_new_session=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    for _ in range(3000):
+        if proc.poll() is not None or (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    ours = _ray_processes() - before
+    assert ours  # the run's Ray processes
+    proc.kill()  # SIGKILL the driver only, as the OOM killer would
+    proc.communicate()
+    deadline = time.monotonic() + 45
+    while (_ray_processes() & ours) and time.monotonic() < deadline:
+        time.sleep(1)
+    left = _ray_processes() & ours
+    for pid in left:  # (tidy up before failing)
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} Ray process(es) still alive 45 s after the driver was killed"
+
+
 @pytest.mark.slow
 def test_a_second_run_aimed_at_a_live_runs_folder_is_refused_touching_nothing(tmp_path):
     first = fedsim_cli("num_rounds=150", "quiet=true", "hydra.run.dir=shared", cwd=tmp_path, background=True)

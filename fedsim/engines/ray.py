@@ -20,6 +20,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim.config import flower_env
+from fedsim.engines.reaper import Reaper
 from fedsim.errors import ConfigError, RunError
 from fedsim.grid_utils import GridView, first_line
 
@@ -199,6 +200,7 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
         server_main(_StoppableGrid(grid, failed))
 
     logging.getLogger("flwr").setLevel(logging.ERROR)
+    reaper = Reaper()  # ends Ray's processes should this process be killed outright (fedsim.engines.reaper)
     try:
         run_simulation(
             server_app=server_app, client_app=client_app, num_supernodes=num_clients, backend_config=backend
@@ -208,3 +210,5 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
         if isinstance(e.__cause__, (RunError, ConfigError)):
             raise e.__cause__ from None
         raise RunError(f"the Ray simulation failed: {first_line(str(e.__cause__ or e))}") from None
+    finally:
+        reaper.stop()
