@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Mapping
@@ -13,6 +14,8 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.errors import RunError
+
+log = logging.getLogger("fedsim")
 
 # Flower's error codes for a message or node that went away (ErrorCode.MESSAGE_UNAVAILABLE,
 # REPLY_MESSAGE_UNAVAILABLE, NODE_UNAVAILABLE): counted as kind "unavailable", not as a client error.
@@ -205,7 +208,7 @@ def discover(
         claims.append((nid, pid, 0))
         foreign[i] = (nid, f"{why}; partition {pid}")
     if foreign:
-        _log().warning(
+        log.warning(
             "%d node(s) run a ClientApp that is not fedsim's, identified by node id: %s",
             len(foreign),
             "; ".join(f"node {nid} ({why})" for nid, why in foreign[:5])
@@ -219,18 +222,12 @@ def discover(
             if refuse is not None:
                 refuse(nid, pid, reason)
             else:
-                _log().warning("node %d refused, it gets no work: %s", nid, reason)
+                log.warning("node %d refused, it gets no work: %s", nid, reason)
             continue
         found[pid] = (nid, size)
         if accept is not None:
             accept(nid, pid)
     return found
-
-
-def _log():
-    import logging
-
-    return logging.getLogger("fedsim")
 
 
 def first_line(reason: str) -> str:
