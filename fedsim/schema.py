@@ -37,6 +37,8 @@ UPDATE_NORM = "update_norm"
 NOISE_STD = "noise_std"
 EPSILON = "epsilon"
 MALICIOUS = "malicious"
+BYTES_UP = "bytes_up"
+BYTES_DOWN = "bytes_down"
 
 # Fields measured on the wall clock: they differ between two runs that compute the same thing.
 WALL_CLOCK = (WALL_TIME, ROUND_TIME)
@@ -73,6 +75,8 @@ FIELDS: dict[str, str] = {
     NOISE_STD: "clipping: standard deviation of the Gaussian noise",
     EPSILON: "DP: epsilon spent so far at `clipping.delta`",
     MALICIOUS: "attack: replies of the round that came from malicious clients (`attack=`)",
+    BYTES_UP: "sync: serialised size in bytes of the round's train replies (clients to server)",
+    BYTES_DOWN: "sync: serialised size in bytes of the round's train messages (server to clients)",
 }
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim import checkpoint, keys, schema
+from fedsim import checkpoint, comm, keys, schema
 from fedsim.build import build_partitions, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
@@ -220,6 +220,8 @@ def run_sync(
         malicious = base.malicious_count(strategy, [_pid(r) for r in valid])
         if malicious is not None:  # attack=: replies from attackers among the valid ones
             record[schema.MALICIOUS] = malicious
+        record[schema.BYTES_DOWN] = comm.message_bytes(messages)  # serialised sizes of what went each way
+        record[schema.BYTES_UP] = comm.message_bytes(replies)
         fates = Counter(p.fate for p in plans.values())
         for fate, field_name in (
             ("dropout", schema.DROPPED_OUT),

@@ -1,0 +1,40 @@
+"""Communication cost (fedsim.comm): serialised message sizes, and bytes_up / bytes_down in metrics.jsonl."""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from helpers import read_metrics, run_tiny
+from strategy_helpers import server_identity
+
+from fedsim.comm import message_bytes
+
+
+def _message(content: RecordDict, node: int = 1) -> Message:
+    with server_identity():
+        return Message(content, node, "train")
+
+
+def test_size_is_the_arrays_plus_a_small_overhead():
+    content = RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(1000, np.float32))})})
+    size = message_bytes([_message(content)])
+    assert 4000 <= size <= 4000 + 300  # 4000 bytes of float32 and the encoding's framing
+    bigger = RecordDict({"arrays": ArrayRecord({"w": Array(np.zeros(2000, np.float32))})})
+    assert message_bytes([_message(bigger)]) - size == 4000
+
+
+def test_a_shared_content_counts_once_per_message():
+    content = RecordDict({"config": ConfigRecord({"spec": "x" * 500})})
+    one = message_bytes([_message(content)])
+    assert message_bytes([_message(content, n) for n in range(3)]) == 3 * one
+    assert message_bytes([]) == 0
+
+
+def test_a_run_records_the_bytes_of_each_round(tmp_path):
+    run_tiny(tmp_path, "model=logreg", "num_rounds=2")  # digits: 64 * 10 + 10 float32 = 2600 bytes a model
+    for r in read_metrics(tmp_path)[1:]:
+        m = r["num_clients"]
+        assert r["bytes_down"] % m == 0  # one train message per client, all alike
+        assert r["bytes_down"] / m > 2600 and r["bytes_up"] / m > 2600
+        assert r["bytes_up"] < r["bytes_down"]  # a reply carries no run spec
+    assert "bytes_up" not in read_metrics(tmp_path)[0]  # round 0 sends nothing
