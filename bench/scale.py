@@ -322,12 +322,14 @@ def main() -> None:
     unknown = [sc for sc in args.scenarios.split(",") if sc not in DEFAULT_VARIANTS]
     if unknown:
         ap.error(f"--scenarios {unknown[0]!r}: expected a comma list of {', '.join(DEFAULT_VARIANTS)}")
-    before, rows = bench.machine_line(), []
+    before, plan = bench.machine_line(), []
     for sc in args.scenarios.split(","):
         wanted = (args.variants or DEFAULT_VARIANTS[sc]).split(",")
-        for v in [v for v in DEFAULT_VARIANTS[sc].split(",") if v in wanted] + [
-            v for v in wanted if v not in DEFAULT_VARIANTS[sc]
-        ]:
+        order = [v for v in DEFAULT_VARIANTS[sc].split(",") if v in wanted]
+        plan += [(sc, v) for v in order + [v for v in wanted if v not in order]]
+    runs: dict[tuple[str, str], list[dict]] = {key: [] for key in plan}
+    for _ in range(args.repeat):  # repeats interleaved: a change in the machine's load hits every variant
+        for sc, v in plan:
             argv = [
                 __file__,
                 "--child",
@@ -338,9 +340,9 @@ def main() -> None:
                 *(["--small"] if args.small else []),
             ]
             t0 = time.perf_counter()
-            runs = [bench.run_child(argv, args.timeout) for _ in range(args.repeat)]
-            rows.append((sc, v, bench.summarise(runs)))
+            runs[(sc, v)].append(bench.run_child(argv, args.timeout))
             print(f"  {sc} {v}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    rows = [(sc, v, bench.summarise(r)) for (sc, v), r in runs.items()]
     print(
         f"\nfedsim scale benchmark, {args.rounds} rounds{' (small)' if args.small else ''}, median of "
         f"{args.repeat}; before: {before}; after: {bench.machine_line()}"
