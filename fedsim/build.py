@@ -481,6 +481,8 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             clients_per_round=clients_per_round,
             seed=int(cfg.seed),
         )
+    if cfg.get("compression") is not None and cfg.compression.get("_target_"):
+        strategy = _instantiate("compression", cfg.compression, strategy=strategy)
     if cfg.get("attack") is not None and cfg.attack.get("_target_"):  # outermost: clipping sees the attack
         strategy = _instantiate(
             "attack",
@@ -533,6 +535,12 @@ def _check_async(cfg: DictConfig, strategy) -> None:
             "selection",
             cfg.selection._target_.rsplit(".", 1)[-1],
             "uniform with an asynchronous strategy (it picks each next client itself)",
+        )
+    if cfg.get("compression") is not None and cfg.compression.get("_target_"):
+        raise ConfigError(
+            "compression",
+            cfg.compression._target_.rsplit(".", 1)[-1],
+            "none with an asynchronous strategy (the synchronous loop decodes the replies)",
         )
 
 

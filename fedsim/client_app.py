@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM  # "clipping_norm", Flower's client-side DP
 
-from fedsim import attacks, keys, selection
+from fedsim import attacks, compression, keys, selection
 from fedsim.algorithms.base import LocalRun
 from fedsim.algorithms.state import ClientState, ContextState, DirectoryState
 from fedsim.build import ClientTask, build_dataset, client_algorithm, client_task
@@ -144,7 +144,9 @@ def train(msg: Message, context: Context) -> Message:
         start={n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad},
         incoming=incoming_arrays(msg.content),
     )
-    store = _state_store(context, task.partition_id, ins.draw_index) if algorithm.stateful else None
+    compress = compression.wanted(ins.unhandled)  # compression=: top-k keeps its residual in the client state
+    keep = algorithm.stateful or compress
+    store = _state_store(context, task.partition_id, ins.draw_index) if keep else None
     if store is not None:
         run.state = store.load()
     loss, steps, seen = train_local(
@@ -166,6 +168,12 @@ def train(msg: Message, context: Context) -> Message:
     state = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
     if task.faults is not None:
         state = _inject(task, ins.draw_index, state)
+    if compress:
+        global_arrays, pid = msg.content[keys.ARRAYS], task.partition_id
+        state, kept = compression.encode_reply(
+            state, global_arrays, ins.unhandled, run.state, task.seed, ins.draw_index, pid
+        )
+        store.save({**run.state, **kept})
     return train_reply(
         msg,
         state,

@@ -32,6 +32,7 @@ class Purpose(IntEnum):
     MALICIOUS = 31  # the attack's fixed set of malicious clients: (seed, 31)
     ATTACK_NOISE = 32  # the gaussian attack's random updates: (seed, 32, round, partition)
     SELECTION = 33  # client selection's candidates (power of choice): (seed, 33, round)
+    COMPRESSION = 34  # QSGD's stochastic rounding: (seed, 34, round, partition)
 
 
 def rng(seed: int, purpose: Purpose, *keys: int) -> np.random.Generator:

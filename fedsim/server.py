@@ -209,6 +209,8 @@ def run_sync(
             break
         _limit_partial(messages, plans, {nid: pid for pid, nid in node_of.items()})
         replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout)) if messages else []
+        bytes_up = comm.message_bytes(replies)  # as sent: compressed updates before decoding
+        replies = base.decode_replies(strategy, replies, state.arrays)
         valid, failures = screen_replies(replies, state.arrays, {n: p for p, n in node_of.items()})
         failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
         valid.sort(key=_pid)
@@ -221,7 +223,7 @@ def run_sync(
         if malicious is not None:  # attack=: replies from attackers among the valid ones
             record[schema.MALICIOUS] = malicious
         record[schema.BYTES_DOWN] = comm.message_bytes(messages)  # serialised sizes of what went each way
-        record[schema.BYTES_UP] = comm.message_bytes(replies)
+        record[schema.BYTES_UP] = bytes_up
         fates = Counter(p.fate for p in plans.values())
         for fate, field_name in (
             ("dropout", schema.DROPPED_OUT),

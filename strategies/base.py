@@ -25,6 +25,8 @@ capability                    meaning
 :class:`SelectsCohort`       ``select_cohort(server_round, num_clients, clients_per_round, losses, sizes)``:
                               a selection rule (``fedsim.selection``, e.g. power of choice) picks the
                               cohort, asking candidates for their loss through ``losses(partition_ids)``.
+:class:`DecodesReplies`      ``decode_replies(replies, current)``: replies carry compressed updates
+                              (``fedsim.compression``); the loop decodes them before screening.
 :class:`CountsMalicious`     ``malicious_among(partition_ids)``: how many of a round's replies came from
                               attackers (``fedsim.attacks``; metrics.jsonl field ``malicious``).
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
@@ -83,6 +85,13 @@ class SelectsCohort(Protocol):
 
 
 @runtime_checkable
+class DecodesReplies(Protocol):
+    """A compression wrapper (``fedsim.compression``): replies carry encoded updates the loop decodes first."""
+
+    def decode_replies(self, replies: Iterable[Message], current: Any) -> list[Message]: ...
+
+
+@runtime_checkable
 class CountsMalicious(Protocol):
     """A strategy that knows which clients attack (``fedsim.attacks``)."""
 
@@ -134,6 +143,19 @@ def sample_cohort(
         cohort = strategy.sample_cohort(server_round, num_clients, clients_per_round)
         return None if cohort is None else sorted(int(p) for p in cohort)
     return None
+
+
+def decode_replies(strategy: object, replies: list[Message], current: Any) -> list[Message]:
+    """The replies with compressed updates decoded into models (``compression=``), by the first wrapper in the
+    chain that decodes; the replies themselves when none does."""
+    from flwr.serverapp.strategy import Strategy
+
+    while strategy is not None:
+        if isinstance(strategy, DecodesReplies):
+            return strategy.decode_replies(replies, current)
+        inner = getattr(strategy, "strategy", None)
+        strategy = inner if isinstance(inner, (Strategy, AsyncStrategy)) else None
+    return replies
 
 
 def malicious_count(strategy: object, partition_ids: Iterable[int]) -> int | None:

@@ -1,0 +1,209 @@
+"""Compression of client updates (``compression=``): top-k with error feedback, and QSGD.
+
+The server-side wrapper (:class:`TopK`, :class:`QSGD`) asks every client in its train config to compress;
+fedsim's ClientApp then sends, instead of its model, an encoding of its update ``d = w_after - w_global``
+(over the floating-point arrays, flattened in the model's order; other arrays travel as they are), and the
+loop decodes each reply back into a model, ``w_global + decode(...)``, before screening and aggregation. So
+``bytes_up`` in metrics.jsonl is the size of what the clients actually sent.
+
+* **top-k** (Stich, Cordonnier, Jaggi, "Sparsified SGD with memory", NeurIPS 2018, arXiv 1809.07599): the
+  client adds its error-feedback residual ``e`` (per-client state, kept between its tasks and across resume)
+  to its update, sends the ``k = ceil(ratio * size)`` entries of largest magnitude of ``d + e`` (int32
+  indices, float32 values: 8 k bytes for 4 size) and keeps the rest, ``e <- d + e - topk(d + e)``.
+* **QSGD** (Alistarh et al., NeurIPS 2017, arXiv 1610.02132): ``s`` levels, stochastic rounding, unbiased:
+  ``Q(v)_i = |v| sign(v_i) xi_i / s`` with ``xi_i = floor(s |v_i| / |v|) + Bernoulli(frac)``; the client sends
+  ``|v|`` (float32) and the signed levels (int8 for ``s <= 127``), seeded per (round, client).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp.strategy import Strategy
+
+from fedsim.checks import integer, number
+from fedsim.errors import ConfigError
+from fedsim.seeds import Purpose
+from fedsim.seeds import rng as seeded_rng
+from fedsim.strategies import base
+from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.strategies.records import rebuild_reply, reply_arrays, to_numpy
+
+KIND, RATIO, LEVELS = "compress", "compress-ratio", "compress-levels"  # train-config keys
+RESIDUAL = "compression/residual"  # the client's error-feedback state
+_RAW = "raw/"  # non-float arrays, sent as they are
+
+
+# ---------------------------------------------------------------- pure functions
+def topk(v: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (int32, ascending) and values (float32) of the ``k`` largest-magnitude entries of ``v`` ``(d,)``."""
+    idx = np.sort(np.argsort(-np.abs(v), kind="stable")[:k]).astype(np.int32)
+    return idx, v[idx].astype(np.float32)
+
+
+def topk_decode(idx: np.ndarray, values: np.ndarray, d: int) -> np.ndarray:
+    """The dense ``(d,)`` vector holding ``values`` at ``idx`` and zeros elsewhere."""
+    out = np.zeros(d, np.float64)
+    out[idx.astype(np.int64)] = values
+    return out
+
+
+def qsgd(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.float32, np.ndarray]:
+    """QSGD's ``(|v|, signed levels in [-s, s])`` of ``v`` ``(d,)``; unbiased: ``E[decode] = v``."""
+    norm = np.float32(np.linalg.norm(v))
+    if norm == 0:
+        return norm, np.zeros(v.shape, np.int8 if s <= 127 else np.int32)
+    scaled = np.abs(v) / np.float64(norm) * s  # in [0, s]
+    low = np.floor(scaled)
+    level = low + (rng.random(v.shape) < scaled - low)
+    return norm, (np.sign(v) * level).astype(np.int8 if s <= 127 else np.int32)
+
+
+def qsgd_decode(norm: float, levels: np.ndarray, s: int) -> np.ndarray:
+    """The ``(d,)`` vector ``|v| * levels / s``."""
+    return np.float64(norm) * levels.astype(np.float64) / s
+
+
+# ---------------------------------------------------------------- the client's side (fedsim's ClientApp)
+def wanted(unhandled: Mapping[str, Any]) -> bool:
+    """True when the train config asks this client to compress its update."""
+    return KIND in unhandled
+
+
+def encode_reply(
+    model: Mapping[str, torch.Tensor],
+    global_arrays: ArrayRecord,
+    config: Mapping[str, Any],
+    state: Mapping[str, np.ndarray],
+    seed: int,
+    index: int,
+    partition_id: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """The reply's arrays (the encoded update) and the client's new state entries (top-k's residual)."""
+    start = to_numpy(global_arrays)
+    floats = [k for k, a in start.items() if is_float(a)]
+    after = {k: v.detach().cpu().numpy() for k, v in model.items()}
+    d = np.concatenate([(after[k].astype(np.float64) - start[k]).ravel() for k in floats])  # (size,)
+    out = {_RAW + k: torch.as_tensor(np.ascontiguousarray(after[k])) for k in after if k not in floats}
+    kind = str(config[KIND])
+    if kind == "topk":
+        residual = np.asarray(state.get(RESIDUAL, np.zeros_like(d)), np.float64)
+        if residual.shape != d.shape:
+            residual = np.zeros_like(d)
+        corrected = d + residual
+        idx, values = topk(corrected, max(1, math.ceil(float(config[RATIO]) * d.size)))
+        out.update({"topk/idx": torch.from_numpy(idx), "topk/val": torch.from_numpy(values)})
+        return out, {RESIDUAL: corrected - topk_decode(idx, values, d.size)}
+    rng = seeded_rng(seed, Purpose.COMPRESSION, index, partition_id)
+    norm, levels = qsgd(d, int(config[LEVELS]), rng)
+    out.update({"qsgd/norm": torch.tensor([norm]), "qsgd/levels": torch.from_numpy(levels)})
+    return out, {}
+
+
+# ---------------------------------------------------------------- the server's side
+class _Compression(Strategy):
+    """Ask clients to compress (config keys), decode their replies before the loop screens them."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        super().__init__()
+        if not isinstance(strategy, Strategy):
+            raise ConfigError("strategy", type(strategy).__name__, "a synchronous strategy")
+        self.strategy = strategy
+
+    def settings(self) -> dict[str, Any]:
+        """The train-config entries that ask for this compression."""
+        raise NotImplementedError
+
+    def decode(self, arrays: dict[str, np.ndarray], size: int) -> np.ndarray:
+        """The ``(size,)`` update of one reply's encoded arrays."""
+        raise NotImplementedError
+
+    def decode_replies(self, replies: Iterable[Message], current: ArrayRecord) -> list[Message]:
+        """Each compressed reply as the model it stands for, ``current + decode``; others unchanged."""
+        x = to_numpy(current)
+        floats = [k for k, a in x.items() if is_float(a)]
+        size = sum(x[k].size for k in floats)
+        out = []
+        for msg in replies:
+            if msg.has_error() or not msg.has_content() or not msg.content.array_records:
+                out.append(msg)
+                continue
+            enc = reply_arrays(msg)
+            if not any(k.startswith(("topk/", "qsgd/")) for k in enc):
+                out.append(msg)
+                continue
+            d, model, at = self.decode(enc, size), {}, 0
+            for k in floats:
+                model[k] = x[k].astype(np.float64) + d[at : at + x[k].size].reshape(x[k].shape)
+                at += x[k].size
+            model.update({k: enc[_RAW + k] for k in x if k not in floats and _RAW + k in enc})
+            out.append(rebuild_reply(msg, cast_like({**x, **model}, x)))
+        return out
+
+    def configure_train(self, server_round, arrays, config, grid):
+        config = ConfigRecord({**dict(config.items()), **self.settings()})
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(self, server_round, replies):
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round, replies):
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int] | None:
+        return base.sample_cohort(self.strategy, server_round, num_clients, clients_per_round)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    def summary_fields(self) -> dict[str, Any]:
+        return {**base.summary_fields(self.strategy), "compression": dict(self.settings())}
+
+    def state_dict(self) -> dict[str, Any]:
+        inner = base.state_dict(self.strategy)
+        return {
+            "inner_state": inner,
+            "inner_pickle": None if inner is not None else base.pickle(self.strategy),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("inner_state") is not None:
+            self.strategy.load_state_dict(state["inner_state"])
+        elif state.get("inner_pickle") is not None:
+            self.strategy = base.unpickle(state["inner_pickle"])
+
+
+class TopK(_Compression):
+    """Top-k sparsification of each update with error feedback in the client's state (Stich et al. 2018)."""
+
+    def __init__(self, strategy: Strategy, ratio: float = 0.1) -> None:
+        self.ratio = number("ratio", ratio, 0.0, 1.0, lo_open=True)
+        super().__init__(strategy)
+
+    def settings(self) -> dict[str, Any]:
+        return {KIND: "topk", RATIO: self.ratio}
+
+    def decode(self, arrays, size):
+        return topk_decode(arrays["topk/idx"], arrays["topk/val"], size)
+
+
+class QSGD(_Compression):
+    """QSGD: unbiased stochastic quantisation of each update to ``levels`` levels (Alistarh et al. 2017)."""
+
+    def __init__(self, strategy: Strategy, levels: int = 16) -> None:
+        self.levels = integer("levels", levels, 1, 2**31 - 1)
+        super().__init__(strategy)
+
+    def settings(self) -> dict[str, Any]:
+        return {KIND: "qsgd", LEVELS: self.levels}
+
+    def decode(self, arrays, size):
+        return qsgd_decode(float(arrays["qsgd/norm"][0]), arrays["qsgd/levels"], self.levels)
