@@ -48,7 +48,44 @@ def quiet_loggers() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def _task(cfg: DictConfig) -> dict | None:
+def _task(cfg: DictConfig) -> float | None:
+    """One Hydra job: run the experiment; return its objective for a sweeper (see :func:`objective`)."""
+    summary = _run_job(cfg)
+    return None if summary is None else objective(summary, cfg)
+
+
+def objective(summary: dict, cfg: DictConfig) -> float | None:
+    """The float a sweeper optimises (Optuna's ``hydra/sweeper=optuna``): the summary field ``optimize_metric``
+    names, by default the task's final metric (``final_eval_accuracy``); None when the run has no such value."""
+    from fedsim.experiment import objective_key
+
+    if summary.get("status") in ("failed", "interrupted"):
+        return None
+    value = summary.get(objective_key(cfg))
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _warn_direction(cfg: DictConfig, hc) -> None:
+    """Optuna minimises unless told otherwise; say so when the objective is a higher-is-better metric."""
+    from fedsim.experiment import objective_higher_is_better, objective_key
+
+    sweeper = hc.sweeper
+    if "optuna" not in str(sweeper.get("_target_", "")).lower() or hc.job.get("num", 0) != 0:
+        return
+    direction = str(sweeper.get("direction", "minimize")).lower()
+    if objective_higher_is_better(cfg) != direction.endswith("maximize"):
+        key = objective_key(cfg)
+        want = "maximize" if objective_higher_is_better(cfg) else "minimize"
+        logging.getLogger("fedsim").warning(
+            "the Optuna sweeper will %s %s; add hydra.sweeper.direction=%s to %s it",
+            direction.rsplit(".", 1)[-1],
+            key,
+            want,
+            want,
+        )
+
+
+def _run_job(cfg: DictConfig) -> dict | None:
     global EXIT_STATUS
     from fedsim.run import run_experiment
 
@@ -57,6 +94,7 @@ def _task(cfg: DictConfig) -> dict | None:
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     multirun = hc.mode == RunMode.MULTIRUN
     if multirun:  # a sweep folder used again: no earlier job's result may stand for this one
+        _warn_direction(cfg, hc)
         for name in ("summary.json", "error.txt"):
             (Path(hc.runtime.output_dir) / name).unlink(missing_ok=True)
     try:
@@ -118,7 +156,7 @@ def _record_failure(out_dir: Path, message: str) -> None:
 
 
 @hydra.main(version_base=None, config_path="pkg://fedsim.conf", config_name="config")
-def _hydra_main(cfg: DictConfig) -> dict | None:
+def _hydra_main(cfg: DictConfig) -> float | None:
     return _task(cfg)
 
 

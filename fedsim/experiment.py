@@ -69,6 +69,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     ds = build.build_dataset(spec)
     build.check_task(task, ds, ds.name)
     validate_targets(cfg, task)
+    check_objective(cfg, task)
     train, _ = build.build_partitions(spec)
     m = clients_per_round(cfg)
     strategy = build.build_strategy(cfg, m)
@@ -145,6 +146,48 @@ def validate_targets(cfg: DictConfig, task: Task) -> None:
         number(own, value, lo, 1.0, lo_open=True, allow_none=True)
     else:
         number(own, value, -math.inf, math.inf, allow_none=True)
+
+
+# summary.json fields a sweeper may optimise besides the task's metric, and whether higher is better
+OBJECTIVES = {
+    "final_eval_loss": False,
+    "final_train_loss": False,
+    "rounds_done": True,
+    "sim_time": False,
+    "wall_time": False,
+    "target_round": False,
+    "target_sim_time": False,
+    "target_wall_time": False,
+    "final_epsilon": False,
+    "total_failures": False,
+}
+
+
+def _task_of(cfg: DictConfig) -> Task:
+    return build.build_task(
+        {"task": OmegaConf.to_container(cfg.task, resolve=True) if cfg.get("task") else None}
+    )
+
+
+def objective_key(cfg: DictConfig) -> str:
+    """The summary.json field a sweeper optimises: ``optimize_metric``, or the task's ``final_eval_<metric>``."""
+    return cfg.get("optimize_metric") or f"final_eval_{_task_of(cfg).metric}"
+
+
+def objective_higher_is_better(cfg: DictConfig) -> bool:
+    """Whether a larger objective is a better run (accuracy, R²: yes; a loss, a time, epsilon: no)."""
+    key, task = objective_key(cfg), _task_of(cfg)
+    return OBJECTIVES.get(key, task.higher_is_better)
+
+
+def check_objective(cfg: DictConfig, task: Task) -> None:
+    """``optimize_metric`` names a numeric summary.json field (one line naming the allowed ones otherwise)."""
+    key = cfg.get("optimize_metric")
+    allowed = [*(f"{w}_eval_{task.metric}" for w in ("final", "best")), *OBJECTIVES]
+    if key is not None and key not in allowed:
+        raise ConfigError(
+            "optimize_metric", key, f"null (the task's final metric) or one of {', '.join(allowed)}"
+        )
 
 
 def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
