@@ -29,6 +29,7 @@ from fedsim.errors import ConfigError
 from fedsim.faults import SimulatedTimeout
 from fedsim.messages import global_state, incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
+from fedsim.tasks import CLASSIFICATION
 from fedsim.training import evaluate, train_local
 
 app = ClientApp()
@@ -143,6 +144,7 @@ def train(msg: Message, context: Context) -> Message:
         task.partition_id,
         start={n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad},
         incoming=incoming_arrays(msg.content),
+        task=task.task or CLASSIFICATION,
     )
     compress = compression.wanted(ins.unhandled)  # compression=: top-k keeps its residual in the client state
     keep = algorithm.stateful or compress
@@ -257,12 +259,13 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     if algorithm.stateful:  # the state this client saved in round r is version r: read it for round r's eval
         rnd = int(cfg.get(keys.SERVER_ROUND, 0))
         algorithm.personalize(task.model, _state_store(context, task.partition_id, rnd + 1).load())
-    loss, acc = evaluate(task.model, *_eval_split(task, cfg))
+    learnt = task.task or CLASSIFICATION
+    loss, score = evaluate(task.model, *_eval_split(task, cfg), task=learnt)
     n = int(_eval_split(task, cfg)[0].shape[0])
     metrics = {
         keys.NUM_EXAMPLES: n,
         keys.EVAL_LOSS: 0.0 if n == 0 else loss,
-        keys.EVAL_ACCURACY: 0.0 if n == 0 else acc,
+        keys.eval_metric(learnt.metric): 0.0 if n == 0 or not math.isfinite(score) else score,
     }
     return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)
 
