@@ -68,10 +68,16 @@ def boolean_keys() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
+# Groups whose absence means "off" (a primary config of a user's that does not start from fedsim's `config`).
+OPTIONAL_GROUPS = ("attack", "selection", "compression")
+
+
 def check_groups(cfg: DictConfig) -> None:
     """Every config group a run needs is there (``strategy=null`` or ``~strategy`` would remove one)."""
     for group in groups():
         node = cfg.get(group, None)
+        if node is None and group in OPTIONAL_GROUPS:
+            continue
         if not isinstance(node, DictConfig):
             raise ConfigError(group, node, f"one of {', '.join(_options(group))}")
 

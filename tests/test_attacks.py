@@ -189,3 +189,14 @@ def test_label_flip_trains_the_attackers_on_flipped_labels(tmp_path):
     assert kept is task.y_train
     summary = run_tiny(tmp_path, "attack=label_flip", "attack.fraction=0.5")
     assert summary["status"] == "completed" and json.loads(json.dumps(summary["malicious_clients"]))
+
+
+def test_a_config_without_the_optional_groups_has_no_attack():
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg(*TINY)
+    OmegaConf.set_struct(cfg, False)
+    for group in ("attack", "selection", "compression"):  # as in a primary config without fedsim's `config`
+        cfg.pop(group)
+    exp = build_experiment(cfg)
+    assert type(exp.strategy) is FedAvg
