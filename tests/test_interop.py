@@ -273,11 +273,6 @@ def test_a_flower_name_contradicting_fedsims_is_one_config_error():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="fedsim.deploy.nodes.NodeGate.get_node_ids catches only ValueError from canonical_key; a simulated "
-    "node's random public key raises cryptography's UnsupportedAlgorithm (passes with that caught too)",
-)
 def test_stock_clientapp_under_fedsims_serverapp_in_flowers_simulation(tmp_path, monkeypatch):
     """fedsim's deployed ServerApp (fedsim.server_app.app) and the stock ClientApp on Flower's Ray engine."""
     import os
@@ -386,3 +381,13 @@ def test_fedsim_clientapp_names_a_bad_run_config_override_in_one_line():
     reasons = [str(r.error.reason) for r in replies if r.has_error()]
     assert len(reasons) == 3 and all("cannot build its task from run_config overrides" in r for r in reasons)
     assert "strategy.nope" in reasons[0]
+
+
+@pytest.mark.parametrize("key", [b"ssh-foo AAAA", b"\x01\x02abc def", b"not a key"])
+def test_a_key_that_is_no_public_key_is_a_value_error_for_the_node_gate(key):
+    """Flower's simulation gives its nodes random bytes as public keys: the node gate reads them as unreadable
+    (cryptography raises UnsupportedAlgorithm for an unknown key type, which stopped fedsim's ServerApp)."""
+    from fedsim.deploy.nodes import canonical_key
+
+    with pytest.raises(ValueError):
+        canonical_key(key)

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
 from fedsim.grid_utils import GridView
@@ -54,11 +55,14 @@ def canonical_key(data: str | bytes) -> bytes:
     """
     raw = data.encode() if isinstance(data, str) else bytes(data)
     raw = raw.strip()
-    key = (
-        serialization.load_pem_public_key(raw)
-        if raw.startswith(b"-----BEGIN")
-        else serialization.load_ssh_public_key(b" ".join(raw.split()[:2]))
-    )
+    try:
+        key = (
+            serialization.load_pem_public_key(raw)
+            if raw.startswith(b"-----BEGIN")
+            else serialization.load_ssh_public_key(b" ".join(raw.split()[:2]))
+        )
+    except UnsupportedAlgorithm as e:  # e.g. the random bytes Flower's simulation gives its nodes as keys
+        raise ValueError(f"not a public key: {e}") from None
     return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
