@@ -75,8 +75,10 @@ FIELDS: dict[str, str] = {
     NOISE_STD: "clipping: standard deviation of the Gaussian noise",
     EPSILON: "DP: epsilon spent so far at `clipping.delta`",
     MALICIOUS: "attack: replies of the round that came from malicious clients (`attack=`)",
-    BYTES_UP: "sync: serialised size in bytes of the round's train replies (clients to server)",
-    BYTES_DOWN: "sync: serialised size in bytes of the round's train messages (server to clients)",
+    BYTES_UP: "sync: serialised size in bytes of the round's train replies and selection probes' replies "
+    "(clients to server)",
+    BYTES_DOWN: "sync: serialised size in bytes of the round's train messages and selection probes "
+    "(server to clients)",
 }
 
 

@@ -28,6 +28,7 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
 from fedsim.checks import integer
+from fedsim.comm import message_bytes
 from fedsim.errors import ConfigError
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
@@ -69,14 +70,22 @@ def probe_losses(
     spec: str,
     server_round: int,
     timeout: float,
+    tally: dict[str, int] | None = None,
 ) -> dict[int, float]:
-    """Ask ``partition_ids`` for their training loss under ``arrays``; ``-inf`` for those that do not answer."""
+    """Ask ``partition_ids`` for their training loss under ``arrays``; ``-inf`` for those that do not answer.
+
+    ``tally["down"]`` and ``tally["up"]`` grow by the serialised sizes of the probes and their replies.
+    """
     config = ConfigRecord({keys.RUN_SPEC: spec, keys.SERVER_ROUND: server_round, PROBE_TRAIN: True})
     content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: config})
     messages = [Message(content, node_of[p], MessageType.EVALUATE) for p in partition_ids]
     pid_of = {node_of[p]: p for p in partition_ids}
     losses = {p: -np.inf for p in partition_ids}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    if tally is not None:
+        tally["down"] += message_bytes(messages)
+        tally["up"] += message_bytes(replies)
+    for reply in replies:
         pid = pid_of.get(reply.metadata.src_node_id)
         if pid is None or reply.has_error() or not reply.has_content():
             continue

@@ -184,14 +184,15 @@ def run_sync(
         rnd = state.round + 1
         t0 = time.perf_counter()
         cohort = base.sample_cohort(strategy, rnd, loop.num_clients, loop.clients_per_round)
+        probed = {"down": 0, "up": 0}  # bytes of power-of-choice's probes this round
         if cohort is None:  # selection=: e.g. power of choice, which probes candidates' losses first
             cohort = base.select_cohort(
                 strategy,
                 rnd,
                 loop.num_clients,
                 loop.clients_per_round,
-                lambda pids, rnd=rnd: probe_losses(
-                    grid, node_of, pids, state.arrays, spec, rnd, loop.round_timeout
+                lambda pids, rnd=rnd, probed=probed: probe_losses(
+                    grid, node_of, pids, state.arrays, spec, rnd, loop.round_timeout, probed
                 ),
                 sizes,
             )
@@ -222,8 +223,8 @@ def run_sync(
         malicious = base.malicious_count(strategy, [_pid(r) for r in valid])
         if malicious is not None:  # attack=: replies from attackers among the valid ones
             record[schema.MALICIOUS] = malicious
-        record[schema.BYTES_DOWN] = comm.message_bytes(messages)  # serialised sizes of what went each way
-        record[schema.BYTES_UP] = bytes_up
+        record[schema.BYTES_DOWN] = comm.message_bytes(messages) + probed["down"]  # serialised, each way
+        record[schema.BYTES_UP] = bytes_up + probed["up"]
         fates = Counter(p.fate for p in plans.values())
         for fate, field_name in (
             ("dropout", schema.DROPPED_OUT),

@@ -9,6 +9,7 @@ from helpers import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 from strategy_helpers import server_identity
 
 from fedsim import keys, selection
+from fedsim.comm import message_bytes
 from fedsim.errors import ConfigError
 from fedsim.experiment import build_experiment
 from fedsim.strategies.fedavg import FedAvg
@@ -87,7 +88,7 @@ class _Grid:
 def test_probe_asks_for_the_training_loss_and_ranks_silent_clients_last():
     from flwr.app import Array, ArrayRecord
 
-    grid = _Grid(silent={2})
+    grid, tally = _Grid(silent={2}), {"down": 0, "up": 0}
     with server_identity():
         losses = selection.probe_losses(
             grid,
@@ -97,8 +98,10 @@ def test_probe_asks_for_the_training_loss_and_ranks_silent_clients_last():
             "{}",
             5,
             1.0,
+            tally,
         )
     assert losses == {1: 10.0, 2: -np.inf, 3: 30.0}
+    assert tally["down"] == message_bytes(grid.sent) > 0 and tally["up"] > 0  # the probes count as traffic
     assert all(m.content[keys.CONFIG][selection.PROBE_TRAIN] for m in grid.sent)
     assert all(m.metadata.message_type == "evaluate" for m in grid.sent)
 
@@ -135,6 +138,8 @@ def test_power_of_choice_runs_with_an_attack(tmp_path):
     summary = run_tiny(tmp_path, "selection=power_of_choice", "attack=sign_flip", "attack.fraction=0.5")
     assert summary["status"] == "completed" and summary["rounds_done"] == 2
     assert summary["selection"] == "power_of_choice(d=6)" and summary["attack"] == "sign_flip"
+    for r in read_metrics(tmp_path)[1:]:  # 6 probes with the model and 3 train messages, against 3 replies
+        assert r["bytes_down"] > 2.5 * r["bytes_up"]
 
 
 @pytest.mark.slow
