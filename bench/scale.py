@@ -242,7 +242,7 @@ def targets(rows: list[tuple[str, str, dict]]) -> list[str]:
             )
             out.append(
                 f"({sc}) vanilla Flower / fedsim end to end: {best} {r:.1f}x"
-                + (f", inprocess {ri:.1f}x" if ri else "")
+                + (f", inprocess {ri:.1f}x" if ri and best != "inprocess" else "")
                 + f" (target >= 5: {'met' if r >= 5 else 'NOT met'})"
             )
     fed_c = {v: s for (sc, v), s in got.items() if sc == "c" and v in FEDSIM}
