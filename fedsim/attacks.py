@@ -29,6 +29,7 @@ The replies keep their ``num-examples``; metrics.jsonl counts the attackers' rep
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Iterable
@@ -37,7 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -48,7 +49,7 @@ from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, unflatten
-from fedsim.strategies.records import rebuild_reply, reply_arrays, to_numpy
+from fedsim.strategies.records import reply_arrays, to_numpy, to_record
 
 log = logging.getLogger("fedsim")
 
@@ -168,7 +169,7 @@ class Attack(Strategy):
         out = list(replies)
         for row, i in enumerate(bad):
             new = unflatten(x + crafted[row], floats)
-            out[i] = rebuild_reply(replies[i], cast_like({**arrays[i], **new}, arrays[i]))
+            out[i] = with_model(replies[i], cast_like({**arrays[i], **new}, arrays[i]))
         return self.strategy.aggregate_train(server_round, out)
 
     def configure_evaluate(
@@ -208,6 +209,13 @@ class Attack(Strategy):
             self.strategy.load_state_dict(state["inner_state"])
         elif state.get("inner_pickle") is not None:
             self.strategy = base.unpickle(state["inner_pickle"])
+
+
+def with_model(msg: Message, arrays: dict[str, np.ndarray]) -> Message:
+    """A copy of reply ``msg`` whose model record (``arrays``) holds ``arrays``; its other records (e.g. SCAFFOLD's
+    ``scaffold-dc``) and metadata are kept."""
+    content = RecordDict({k: (to_record(arrays) if k == keys.ARRAYS else r) for k, r in msg.content.items()})
+    return Message(content=content, metadata=copy.deepcopy(msg.metadata))
 
 
 def _pid(msg: Message) -> int:

@@ -26,13 +26,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.attacks import with_model
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, is_float
-from fedsim.strategies.records import rebuild_reply, reply_arrays, to_numpy
+from fedsim.strategies.records import reply_arrays, to_numpy
 
 KIND, RATIO, LEVELS = "compress", "compress-ratio", "compress-levels"  # train-config keys
 RESIDUAL = "compression/residual"  # the client's error-feedback state
@@ -142,7 +143,7 @@ class _Compression(Strategy):
                 model[k] = x[k].astype(np.float64) + d[at : at + x[k].size].reshape(x[k].shape)
                 at += x[k].size
             model.update({k: enc[_RAW + k] for k in x if k not in floats and _RAW + k in enc})
-            out.append(rebuild_reply(msg, cast_like({**x, **model}, x)))
+            out.append(with_model(msg, cast_like({**x, **model}, x)))
         return out
 
     def configure_train(self, server_round, arrays, config, grid):

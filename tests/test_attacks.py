@@ -200,3 +200,14 @@ def test_a_config_without_the_optional_groups_has_no_attack():
         cfg.pop(group)
     exp = build_experiment(cfg)
     assert type(exp.strategy) is FedAvg
+
+
+def test_a_poisoned_reply_keeps_its_other_records():
+    from flwr.app import Array, ArrayRecord
+
+    reply = make_reply({"w": X["w"], "step": X["step"]}, 1, 0)
+    reply.content["scaffold-dc"] = ArrayRecord({"w": Array(np.array([0.5, 0.5], np.float32))})
+    new = attacks.with_model(reply, {"w": np.array([9.0, 9.0], np.float32), "step": X["step"]})
+    assert numpy_of(new.content["arrays"])["w"].tolist() == [9.0, 9.0]
+    assert numpy_of(new.content["scaffold-dc"])["w"].tolist() == [0.5, 0.5]
+    assert numpy_of(reply.content["arrays"])["w"].tolist() == [1.0, 1.0]  # the reply given is untouched

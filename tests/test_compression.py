@@ -95,3 +95,10 @@ def test_bad_compression_config_is_one_config_error(overrides, key):
     with pytest.raises(ConfigError) as err:
         build_experiment(compose_cfg("num_clients=6", "clients_per_round=3", *overrides))
     assert err.value.key == key
+
+
+def test_compression_leaves_a_client_algorithms_extra_records_alone(tmp_path):
+    run_tiny(tmp_path / "plain", "strategy=scaffold")
+    run_tiny(tmp_path / "topk", "strategy=scaffold", "compression=topk", "compression.ratio=1.0")
+    for a, b in zip(read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "topk")):
+        assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-6, abs=1e-7)
