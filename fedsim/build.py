@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
@@ -268,6 +268,23 @@ def check_task(task, ds: Dataset, dataset_name: object) -> None:
             + ("task=regression" if ds.targets == "values" else "task=classification")
             + " with this data set, or another data set.",
         )
+
+
+def build_callbacks(cfg: DictConfig) -> list:
+    """The run's callbacks (``fedsim.callbacks``): the ``logger`` group's tracker, then ``callbacks``' own."""
+    out = []
+    logger = cfg.get("logger")
+    if isinstance(logger, DictConfig) and logger.get("_target_"):
+        out.append(_instantiate("logger", logger))
+    nodes = cfg.get("callbacks")
+    nodes = [] if nodes is None else nodes
+    if not isinstance(nodes, (ListConfig, list)):
+        raise ConfigError("callbacks", nodes, "a list of {_target_: module.Class, ...} mappings")
+    for i, node in enumerate(nodes):
+        if not isinstance(node, DictConfig) or not node.get("_target_"):
+            raise ConfigError(f"callbacks[{i}]", node, "a mapping with a _target_ (module.Class)")
+        out.append(_instantiate(f"callbacks[{i}]", node))
+    return out
 
 
 def model_factory(spec: dict):

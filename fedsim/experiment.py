@@ -11,7 +11,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +49,7 @@ class Experiment:
     initial_model: torch.nn.Module
     evaluate_fn: Callable[[ArrayRecord], tuple[float, float]]  # (loss, the task's metric) on the test split
     task: Task = CLASSIFICATION  # the loss and metric (``task=`` group)
+    callbacks: list = field(default_factory=list)  # the logger and the user's callbacks (fedsim.callbacks)
 
 
 def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
@@ -123,6 +124,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
             build.build_initial_model(spec), ds.x_test, ds.y_test, server_device, task
         ),
         task=task,
+        callbacks=build.build_callbacks(cfg),
     )
 
 

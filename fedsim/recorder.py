@@ -160,6 +160,7 @@ class Recorder:
         quiet: bool = False,
         records: list[dict] | None = None,
         task: Task = CLASSIFICATION,
+        progress: str = "lines",
     ):
         self.task = task  # its metric names the evaluation fields (eval_accuracy, eval_r2, ...)
         self.metric = schema.eval_field(task.metric)
@@ -179,6 +180,12 @@ class Recorder:
             raise write_error(self.metrics_path, e) from None
         self._good = 0  # bytes of metrics.jsonl known to be whole lines
         self._rewrite()
+        self.bar = None  # a progress bar with ETA (``progress=bar``, or ``auto`` on a terminal)
+        if not quiet and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
+            from tqdm import tqdm
+
+            done = self.records[-1][schema.ROUND] if self.records else 0
+            self.bar = tqdm(total=num_rounds, initial=done, unit="round", file=sys.stderr, dynamic_ncols=True)
 
     def _append(self, text: str) -> None:
         """Append whole lines to metrics.jsonl; on failure cut the file back to its last whole line."""
@@ -222,15 +229,24 @@ class Recorder:
         record = {k: _clean(v) for k, v in record.items()}
         self._append(json.dumps(record) + "\n")
         self.records.append(record)
-        if not self.quiet:
-            print(self.progress_line(record), file=sys.stderr, flush=True)
+        self._show(record)
+
+    def _show(self, record: dict) -> None:
+        """The progress line of a record, or the bar moved to its round with the line's figures beside it."""
+        if self.quiet:
+            return
+        line = self.progress_line(record)
+        if self.bar is None:
+            print(line, file=sys.stderr, flush=True)
+            return
+        self.bar.update(max(0, int(record[schema.ROUND]) - self.bar.n))
+        self.bar.set_postfix_str(line.split("]", 1)[1].split("  sim ")[0].strip(), refresh=True)
 
     def amend(self, fields: dict) -> None:
         """Add ``fields`` to the last record and rewrite metrics.jsonl (e.g. the evaluation of a stopped run)."""
         self.records[-1].update({k: _clean(v) for k, v in fields.items()})
         self._rewrite()
-        if not self.quiet:
-            print(self.progress_line(self.records[-1]), file=sys.stderr, flush=True)
+        self._show(self.records[-1])
 
     def progress_line(self, r: dict) -> str:
         """``[round 5/30] acc 0.873  loss 0.412  clients 10  sim 12.3s  elapsed 3.2s`` (+ extras); a task's
@@ -256,7 +272,10 @@ class Recorder:
         return "  ".join(parts)
 
     def close(self) -> None:
-        """Close metrics.jsonl."""
+        """Close metrics.jsonl (and the progress bar)."""
+        if self.bar is not None:
+            bar, self.bar = self.bar, None
+            bar.close()
         if self._fd is not None:
             fd, self._fd = self._fd, None
             with contextlib.suppress(OSError):

@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from fedsim import __version__, checkpoint, schema
 from fedsim.algorithms import state as client_state
+from fedsim.callbacks import Callbacks
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals
 from fedsim.experiment import Experiment, build_experiment
@@ -124,6 +125,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
+PROGRESS_MODES = ("auto", "bar", "lines")
+
+
+def progress_mode(value) -> str:
+    """``progress``: a bar with ETA (``bar``), one line per round (``lines``), or the bar on a terminal only."""
+    if value not in PROGRESS_MODES:
+        raise ConfigError("progress", value, f"one of {', '.join(PROGRESS_MODES)}")
+    return str(value)
+
+
 class TargetWatch:
     """Round hook: note the first round whose evaluation reaches ``target_<metric>`` (``target_accuracy``, or the
     task's own metric: ``target_r2``); optionally stop there."""
@@ -176,7 +187,10 @@ class Run:
                 quiet=bool(cfg.get("quiet", False)),
                 records=records,
                 task=exp.task,
+                progress=progress_mode(cfg.get("progress", "auto")),
             )
+            self.callbacks = Callbacks(exp.callbacks)
+            self.callbacks.start(out_dir, exp.resolved, list(records))
             ds = exp.dataset  # real-valued targets are counted by decile
             bins = ds.num_classes if ds.targets == "classes" else 10
             write_partition_stats(out_dir, exp.train_partitions, ds.partition_labels(bins), bins)
@@ -207,6 +221,7 @@ class Run:
     def on_round(self, record: dict, state: RunState) -> None:
         """After every round (or server model version): record, watch the target, checkpoint periodically."""
         self.recorder.log(record)
+        self.callbacks.round(self.recorder.records[-1])
         self.watch(record, state, self.recorder.records[-1][schema.WALL_TIME])
         last = self.exp.loop.num_rounds
         if self.every and state.round > 0 and (state.round % self.every == 0 or state.round == last):
@@ -400,6 +415,7 @@ class Run:
         except OutputError as e:
             summary["status"] = "failed"
             summary["error"] = "; ".join(x for x in (summary.get("error"), str(e)) if x)
+        self.callbacks.end(summary)
         if rec.records:
             try:
                 rec.plot(title=" ".join(f"{k}={v}" for k, v in self.choices.items()))

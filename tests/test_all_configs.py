@@ -47,6 +47,18 @@ def _fake_files(group: str, option: str, tmp_path: Path) -> list[str]:
             }
             (d / name).write_bytes(pickle.dumps(batch))
         return [f"dataset.root={tmp_path}"]
+    if option == "npz":  # a user's own arrays
+        x, y = rng.normal(size=(90, 5)).astype(np.float32), np.arange(90) % 3
+        np.savez(tmp_path / "train.npz", x=x, y=y)
+        return [f"dataset.path={tmp_path}"]
+    if option == "hf":  # a local parquet file with numeric feature columns
+        pd = pytest.importorskip("pandas")
+        pytest.importorskip("datasets")
+        path = tmp_path / "train.parquet"
+        pd.DataFrame(
+            {"a": rng.normal(size=90), "b": rng.normal(size=90), "label": np.arange(90) % 3}
+        ).to_parquet(path)
+        return [f"dataset.path={path}", "dataset.features=[a,b]"]
     return []
 
 

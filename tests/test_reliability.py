@@ -164,9 +164,8 @@ def test_a_failed_atomic_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_progress_line_survives_a_diverged_loss():
-    rec = Recorder.__new__(Recorder)
-    rec.num_rounds = 3
+def test_the_progress_line_survives_a_diverged_loss(tmp_path):
+    rec = Recorder(tmp_path, num_rounds=3, quiet=True)
     line = rec.progress_line({"round": 2, "eval_accuracy": 0.1, "eval_loss": None, "wall_time": 1.0})
     assert "loss nan" in line
 

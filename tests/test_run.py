@@ -82,8 +82,8 @@ def test_failing_client_is_dropped_and_counted(tmp_path, monkeypatch):
             raise RuntimeError("simulated device failure")
         return original(model, x, y, cfg, gen, **kwargs)
 
-    monkeypatch.setattr(ca, "train_local", flaky)
-    run_tiny(tmp_path, "num_clients=10", "clients_per_round=10", "partitioner=iid")
+    monkeypatch.setattr(ca, "train_local", flaky)  # the ClientApp's path (the vectorized engine batches clients)
+    run_tiny(tmp_path, "num_clients=10", "clients_per_round=10", "partitioner=iid", "engine=inprocess")
     recs = read_metrics(tmp_path)[1:]
     sizes = json.loads((tmp_path / "partitions.json").read_text())
     assert recs[0]["failures"] + recs[0]["num_clients"] == 10
@@ -169,9 +169,9 @@ def test_federated_evaluation_fraction_is_honoured(tmp_path, monkeypatch):
     monkeypatch.setattr(
         server,
         "_federated_eval",
-        lambda grid, strategy, rnd, arrays, spec, view, timeout: (
+        lambda grid, strategy, rnd, arrays, spec, view, *rest: (
             asked.append(len(list(view.get_node_ids())))
-            or real(grid, strategy, rnd, arrays, spec, view, timeout)
+            or real(grid, strategy, rnd, arrays, spec, view, *rest)
         ),
     )
     run_tiny(tmp_path, "clients_per_round=4", "federated_eval=true", "strategy.fraction_evaluate=0.5")
