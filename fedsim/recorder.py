@@ -145,6 +145,12 @@ def _clean(v: Any) -> Any:
     return v
 
 
+def _total(records: list[dict], field: str) -> int | None:
+    """The sum of a per-round byte count over the records (None when no record has it)."""
+    values = [int(r[field]) for r in records if r.get(field) is not None]
+    return sum(values) if values else None
+
+
 def _num(v: Any, fmt: str) -> str:
     """``v`` formatted, or ``nan`` when it is missing (a diverged model's loss is recorded as null)."""
     return "nan" if v is None else format(v, fmt)
@@ -301,6 +307,8 @@ class Recorder:
             schema.SIM_TIME: last.get(schema.SIM_TIME),
             schema.WALL_TIME: time.perf_counter() - self.t0,
             "total_failures": sum(int(r.get(schema.FAILURES) or 0) for r in self.records),
+            "total_bytes_up": _total(self.records, schema.BYTES_UP),
+            "total_bytes_down": _total(self.records, schema.BYTES_DOWN),
             "final_epsilon": next(
                 (r[schema.EPSILON] for r in reversed(self.records) if r.get(schema.EPSILON) is not None), None
             ),
@@ -325,12 +333,17 @@ def plot_curves(records: list[dict], path: Path, title: str = "", metric: str = 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    records = [dict(r) for r in records]  # copies: the cumulative-traffic axis is added to them below
     ev = [r for r in records if r.get(field) is not None]
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    for row, xkey, xlabel in (
-        (0, schema.ROUND, "round (server model version)"),
-        (1, schema.SIM_TIME, "simulated time (s)"),
-    ):
+    rows = [(schema.ROUND, "round (server model version)"), (schema.SIM_TIME, "simulated time (s)")]
+    if any(r.get(schema.BYTES_UP) is not None for r in records):  # communication: against cumulative traffic
+        total = 0
+        for r in records:
+            total += int(r.get(schema.BYTES_UP) or 0) + int(r.get(schema.BYTES_DOWN) or 0)
+            r["_megabytes"] = total / 1e6
+        rows.append(("_megabytes", "cumulative bytes up + down (MB)"))
+    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3.5 * len(rows)), constrained_layout=True)
+    for row, (xkey, xlabel) in enumerate(rows):
         xs = [r.get(xkey, 0.0) for r in ev]
         axes[row, 0].plot(xs, [r[field] for r in ev], marker=".")
         axes[row, 0].set(xlabel=xlabel, ylabel=f"eval {metric}")

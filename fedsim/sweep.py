@@ -25,6 +25,8 @@ COLUMNS = (
     "target_round",
     "target_sim_time",
     "final_epsilon",
+    "total_bytes_up",
+    "total_bytes_down",
     "delta",
     "accountant",
     "sampling",

@@ -38,3 +38,17 @@ def test_a_run_records_the_bytes_of_each_round(tmp_path):
         assert r["bytes_down"] / m > 2600 and r["bytes_up"] / m > 2600
         assert r["bytes_up"] < r["bytes_down"]  # a reply carries no run spec
     assert "bytes_up" not in read_metrics(tmp_path)[0]  # round 0 sends nothing
+
+
+def test_summary_and_sweep_summary_carry_the_total_bytes_and_curves_plot_against_them(tmp_path):
+    import matplotlib.image
+
+    from fedsim.sweep import columns_for
+
+    summary = run_tiny(tmp_path, "compression=topk")
+    recs = read_metrics(tmp_path)
+    assert summary["total_bytes_up"] == sum(r.get("bytes_up", 0) for r in recs) > 0
+    assert summary["total_bytes_down"] == sum(r.get("bytes_down", 0) for r in recs) > 0
+    assert {"total_bytes_up", "total_bytes_down"} <= set(columns_for([summary]))
+    height = matplotlib.image.imread(tmp_path / "curves.png").shape[0]
+    assert height == 1050  # three rows: round, simulated time, cumulative bytes (3.5 in each at 100 dpi)
