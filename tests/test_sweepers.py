@@ -63,3 +63,28 @@ def test_optuna_searches_the_learning_rate_and_reports_the_best_run(tmp_path):
     rows = (tmp_path / "sweep" / "sweep_summary.csv").read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("job,overrides,status,final_eval_accuracy")
     assert "will minimize" not in res.stderr  # direction=maximize: no warning
+
+
+@pytest.mark.slow
+def test_a_submitit_sweep_is_summarised_like_any_other(tmp_path):
+    """hydra/launcher=submitit_local (Slurm's launcher, run locally) runs each job in its own process."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    res = fedsim_cli(
+        "-m", "hydra/launcher=submitit_local", "seed=0,1", "hydra.sweep.dir=sweep", *TINY, cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = (tmp_path / "sweep" / "sweep_summary.csv").read_text().splitlines()
+    assert len(rows) == 3 and all(",completed," in r for r in rows[1:])
+
+
+def test_the_robustness_bundle_carries_its_strategy_by_attack_grid():
+    from pathlib import Path
+
+    bundle = yaml.safe_load(
+        (Path(__file__).parents[1] / "conf" / "experiment" / "robustness.yaml").read_text()
+    )
+    params = bundle["hydra"]["sweeper"]["params"]
+    grid = [(s, a) for s in params["strategy"].split(",") for a in params["attack"].split(",")]
+    assert len(grid) == 16
+    for group, option in {("strategy", s) for s, _ in grid} | {("attack", a) for _, a in grid}:
+        assert compose_cfg(f"{group}={option}")[group] is not None  # every option of the grid exists
