@@ -40,7 +40,9 @@ def test_scale_bench_prints_its_table():
     assert set(rows) == {(sc, v) for sc in "ac" for v in ("auto", "inprocess", "torch")}
     assert not any("failed:" in " ".join(r) for r in rows.values())
     assert rows[("a", "inprocess")][5] == rows[("a", "torch")][5]  # same SGD steps, same accuracy
-    assert "(a) plain torch / auto (default engine), time per round" in out and "(c) fedsim peak memory" in out
+    assert (
+        "(a) plain torch / auto (default engine), time per round" in out and "(c) fedsim peak memory" in out
+    )
 
 
 @pytest.mark.slow  # runs a benchmark script in fresh processes
