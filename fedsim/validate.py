@@ -68,8 +68,9 @@ def boolean_keys() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-# Groups whose absence means "off" (a primary config of a user's that does not start from fedsim's `config`).
-OPTIONAL_GROUPS = ("attack", "selection", "compression")
+# Groups whose absence means "off" or the default (a primary config of a user's that does not start from
+# fedsim's `config`): no attack, uniform selection, no compression, classification, no tracker.
+OPTIONAL_GROUPS = ("attack", "selection", "compression", "task", "logger")
 
 
 def check_groups(cfg: DictConfig) -> None:

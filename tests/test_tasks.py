@@ -170,3 +170,16 @@ def test_the_sweep_summary_has_columns_for_each_tasks_metric():
     cols = columns_for(rows)
     assert cols[3:7] == ["final_eval_accuracy", "best_eval_accuracy", "final_eval_r2", "best_eval_r2"]
     assert columns_for([])[3:5] == ["final_eval_accuracy", "best_eval_accuracy"]
+
+
+def test_a_config_without_task_or_logger_groups_means_classification_and_no_tracker():
+    """A user's own primary config that does not start from fedsim's ``config`` may leave the groups out."""
+    from omegaconf import open_dict
+
+    from fedsim.experiment import build_experiment
+
+    cfg = compose_cfg(*TINY)
+    with open_dict(cfg):
+        del cfg["task"], cfg["logger"]
+    exp = build_experiment(cfg)
+    assert exp.task == Classification() and exp.callbacks == []
