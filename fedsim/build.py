@@ -126,7 +126,8 @@ def set_numerics(deterministic: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS reductions
-    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if deterministic or torch.are_deterministic_algorithms_enabled():  # (the call imports torch._inductor: 1 s)
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 
 def agreement_tolerance(device: str, deterministic: bool, steps: int) -> float:
@@ -240,6 +241,14 @@ def _task(task_json: str):
     if not node:
         return CLASSIFICATION
     task = _instantiate("task", OmegaConf.create(node))
+    metric = getattr(task, "metric", None)
+    if not (isinstance(metric, str) and re.fullmatch(r"[a-z][a-z0-9_]*", metric)) or metric == "loss":
+        raise ConfigError(
+            "task._target_",
+            node.get("_target_"),
+            "a task whose metric is a lower-case name other than 'loss' (letters, digits, _), e.g. 'f1'",
+            f"Its metric is {metric!r}: it names the eval_<metric> fields, and eval_loss is the loss's.",
+        )
     missing = [m for m in ("loss", "score", "finish") if getattr(type(task), m, None) is getattr(Task, m)]
     if not isinstance(task, Task) or missing:
         raise ConfigError(

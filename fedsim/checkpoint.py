@@ -69,7 +69,20 @@ FREE_KEYS = (
     "clipping.max_epsilon",
     "strategy.default_num_rounds",
     "strategy.wall_clock",
+    "target_r2",
+    "progress",
+    "logger",
+    "callbacks",
+    "optimize_metric",
 )
+
+# Groups added after a checkpoint was written: missing from its config, they computed what these values compute.
+NEUTRAL_WHEN_ABSENT = {
+    "attack._target_": None,
+    "selection._target_": None,
+    "compression._target_": None,
+    "task._target_": "fedsim.tasks.Classification",
+}
 
 
 def _flat(node, prefix: str = "") -> dict:
@@ -91,8 +104,13 @@ def check_config(ckpt: dict, config: dict, where: str) -> None:
     if saved is None:
         return
     a, b = _flat(saved), _flat(config)
-    free = lambda k: any(k == f or k.startswith(f + ".") for f in FREE_KEYS)
+    for key, value in NEUTRAL_WHEN_ABSENT.items():  # a group the checkpoint predates, at its neutral option
+        group = key.split(".")[0] + "."
+        if not any(k.startswith(group) for k in a) and b.get(key, value) == value:
+            a.update({k: v for k, v in b.items() if k.startswith(group)})
+    free = lambda k: any(k == f or k.startswith(f + ".") for f in FREE_KEYS) or k.startswith("target_")
     diff = [k for k in sorted(set(a) | set(b)) if not free(k) and a.get(k, "<unset>") != b.get(k, "<unset>")]
+    diff.sort(key=lambda k: k not in a or k not in b)  # keys both have first: the likeliest real change
     if diff:
         shown = ", ".join(
             f"{k} (checkpoint: {a.get(k, '<unset>')!r}, now: {b.get(k, '<unset>')!r})" for k in diff[:4]

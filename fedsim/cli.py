@@ -448,7 +448,10 @@ def prepare_folders(argv: list[str]) -> list[str]:
     raw = str(OmegaConf.to_container(cfg.hydra[node], resolve=False)["dir"])
     folder = Path(str(cfg.hydra[node].dir))
     extra = []
-    existed = folder.exists()
+    try:
+        existed = folder.exists()
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise ConfigError(key, raw, "a folder fedsim can create and write in", f"({e.strerror}).") from None
     if "${" in raw:  # computed (the timestamp): settle it now, so Hydra and the lock agree on it
         if "${now:" in raw:
             existed = False

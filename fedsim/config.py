@@ -50,6 +50,7 @@ def compose(
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
 
     if searchpath and any(o.startswith("hydra.searchpath=") for o in overrides):
         raise ValueError("give the search path once: searchpath=[...] or the override hydra.searchpath=[...]")
@@ -65,6 +66,16 @@ def compose(
             return hydra_compose(
                 config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=return_hydra_config
             )
+    except HydraException:  # an unknown key or option: the one line the command line gives
+        from fedsim.cli import unknown_key
+        from fedsim.errors import OverrideError
+
+        GlobalHydra.instance().clear()
+        message = unknown_key([*(["--config-dir", str(config_dir)] if config_dir else []), *overrides])
+        if message is None:
+            raise
+        key = message.split("=", 1)[0].split("'")[1 if message.startswith("unknown") else 0]
+        raise OverrideError(key, message) from None
     finally:
         GlobalHydra.instance().clear()
 

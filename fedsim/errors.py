@@ -41,6 +41,17 @@ class ConfigError(ValueError):
         return ConfigError(key, self.value, self.allowed, self.hint)
 
 
+class OverrideError(ConfigError):
+    """An override Hydra cannot compose (an unknown key or option): the message is the command line's line."""
+
+    def __init__(self, key: str, message: str) -> None:
+        ValueError.__init__(self, message)
+        self.key, self.value, self.allowed, self.hint = key, None, message, ""
+
+    def with_prefix(self, prefix: str) -> ConfigError:
+        return self
+
+
 class DataNotFoundError(ConfigError):
     """A data set's files are missing; the message says which files, where, and how to get them."""
 

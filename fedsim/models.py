@@ -16,6 +16,18 @@ from torch import nn
 from fedsim.errors import ConfigError
 
 
+def _widths(key: str, value, one: bool = False) -> list[int]:
+    """Layer widths as positive integers (``one``: a single width), else one ``ConfigError`` naming ``key``."""
+    items = [value] if one else value
+    ok = (one or isinstance(value, (list, tuple, Sequence))) and not isinstance(value, (str, bytes))
+    ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in items)
+    if not ok:
+        what = "a positive integer" if one else "a list of positive integer layer widths, e.g. [64, 32]"
+        listed = isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and not one
+        raise ConfigError(key, list(value) if listed else value, what)
+    return [int(v) for v in items]
+
+
 def logreg(input_shape: Sequence[int], num_classes: int) -> nn.Module:
     """Multinomial logistic regression (FedProx's ``mclr``)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), num_classes))
@@ -23,9 +35,7 @@ def logreg(input_shape: Sequence[int], num_classes: int) -> nn.Module:
 
 def mlp(input_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (64,)) -> nn.Module:
     """Fully connected ReLU network with the given hidden widths."""
-    widths = [math.prod(input_shape), *hidden]
-    if any(int(h) < 1 for h in hidden):
-        raise ConfigError("hidden", list(hidden), "a list of positive layer widths")
+    widths = [math.prod(input_shape), *_widths("hidden", hidden)]
     layers: list[nn.Module] = [nn.Flatten()]
     for a, b in zip(widths[:-1], widths[1:]):
         layers += [nn.Linear(a, int(b)), nn.ReLU()]
@@ -49,6 +59,7 @@ def cnn(
             "model", "cnn", "image inputs (C, H, W)", f"This data set's inputs have shape {shape}."
         )
     c, h, w = shape
+    channels, (hidden,) = _widths("channels", channels), _widths("hidden", hidden, one=True)
     layers: list[nn.Module] = [nn.Unflatten(1, shape)] if len(input_shape) != 3 else []
     for out in channels:
         layers += [nn.Conv2d(c, int(out), 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]

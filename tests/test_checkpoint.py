@@ -4,7 +4,9 @@ import json
 
 import pytest
 import torch
-from helpers import read_metrics, run_tiny, without_wall_time
+from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
+
+from fedsim.errors import ConfigError
 
 
 def _same_models(a, b):
@@ -48,11 +50,11 @@ def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     original = server.screen_replies
     calls = {"n": 0}
 
-    def interrupt_in_round_3(replies, reference):
+    def interrupt_in_round_3(replies, *rest):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return original(replies, reference)
+        return original(replies, *rest)
 
     monkeypatch.setattr(server, "screen_replies", interrupt_in_round_3)
     summary = run_tiny(tmp_path / "run", "num_rounds=5", "checkpoint_every=0")
@@ -214,3 +216,35 @@ def test_a_stopped_run_evaluates_and_checkpoints_its_final_model(tmp_path):
     assert s["status"] == "stopped" and s["rounds_done"] % 4 != 0  # not a round eval_every would evaluate
     assert recs[-1]["eval_accuracy"] is not None and s["final_eval_accuracy"] == recs[-1]["eval_accuracy"]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["round"] == s["rounds_done"]
+
+
+def test_a_checkpoint_older_than_new_groups_resumes_and_a_real_change_is_named_first():
+    """Keys added to fedsim after a checkpoint was written (task, attack, selection, compression at their
+    neutral options; logger, callbacks, progress, optimize_metric) do not block its resume."""
+    from omegaconf import OmegaConf
+
+    from fedsim.checkpoint import check_config
+
+    now = OmegaConf.to_container(compose_cfg(), resolve=True)
+    old = {k: v for k, v in now.items() if k not in NEW_KEYS}
+    check_config({"config": old}, now, "old")  # no error
+    changed = OmegaConf.to_container(compose_cfg("dataset=synthetic", "num_clients=30"), resolve=True)
+    with pytest.raises(ConfigError) as e:
+        check_config({"config": old}, changed, "old")
+    assert str(e.value).split("these keys differ: ")[1].startswith("dataset.")
+    attacked = OmegaConf.to_container(compose_cfg("attack=sign_flip"), resolve=True)
+    with pytest.raises(ConfigError, match="attack"):  # an attack the old run did not have is a change
+        check_config({"config": old}, attacked, "old")
+
+
+NEW_KEYS = (
+    "task",
+    "attack",
+    "selection",
+    "compression",
+    "logger",
+    "callbacks",
+    "progress",
+    "optimize_metric",
+    "target_r2",
+)

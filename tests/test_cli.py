@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from helpers import compose_cfg
+from helpers import TINY, compose_cfg, fedsim_cli
 
 from fedsim.config import FLOWER_ENV
 from fedsim.errors import ConfigError
@@ -151,3 +151,25 @@ def test_cli_run_that_cannot_go_on_prints_one_line_and_keeps_its_outputs(tmp_pat
     assert len(failed) == 1 and "dropped out" in failed[0]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_the_python_api_gives_the_command_lines_one_line_for_a_bad_override():
+    """fedsim.config.compose raises ConfigError (the README's promise), not Hydra's composition exceptions."""
+    from fedsim.config import compose
+    from fedsim.errors import ConfigError
+
+    for override, key, says in [
+        ("num_clientz=3", "num_clientz", "did you mean 'num_clients'?"),
+        ("strategy=nosuch", "strategy", "expected one of ditto, "),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            compose(override)
+        assert e.value.key == key and says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_run_folder_name_too_long_for_the_file_system_is_one_line(tmp_path):
+    res = fedsim_cli(*TINY, "hydra.run.dir=" + "x" * 300, cwd=tmp_path)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: config error")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1
+    assert "hydra.run.dir=" in errors[0] and "a folder fedsim can create and write in" in errors[0]

@@ -918,3 +918,23 @@ def test_local_submits_the_fedsim_checkout_wherever_it_is_started(tmp_path, monk
     assert (checkout / "pyproject.toml").is_file() and (checkout / "fedsim" / "server_app.py").is_file()
     with pytest.raises(DeployError, match="not a Flower App folder"):
         app_folder(tmp_path)
+
+
+@pytest.mark.parametrize("wait", ["nan", "-1", "inf", "soon"])
+def test_a_wait_that_is_no_finite_number_of_seconds_is_refused(wait, capsys):
+    """``--wait nan`` used to wait for ever (``elapsed > nan`` is never true)."""
+    from fedsim.deploy.__main__ import main
+
+    argv = ["supernode", "--superlink", "127.0.0.1:9", "--insecure", "--partition-id", "0"]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--num-partitions", "2", "--dry-run", "--wait", wait])
+    assert e.value.code == 2 and "expected a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_certificates_aimed_at_a_file_are_one_line(tmp_path, capsys):
+    from fedsim.deploy.__main__ import main
+
+    (tmp_path / "run.sh").write_text("#!/bin/sh\n")
+    assert main(["certs", str(tmp_path / "run.sh")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedsim.deploy: error: cannot write certificates") and len(err.splitlines()) == 1

@@ -36,3 +36,23 @@ def test_build_model_is_seeded_and_leaves_global_rng_alone():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+@pytest.mark.parametrize(
+    "factory, kwargs, key",
+    [
+        (models.mlp, {"hidden": 64}, "hidden"),
+        (models.mlp, {"hidden": "abc"}, "hidden"),
+        (models.mlp, {"hidden": [64.5]}, "hidden"),
+        (models.mlp, {"hidden": [0]}, "hidden"),
+        (models.cnn, {"channels": 16}, "channels"),
+        (models.cnn, {"channels": [16, float("nan")]}, "channels"),
+        (models.cnn, {"hidden": 0}, "hidden"),
+        (models.cnn, {"hidden": True}, "hidden"),
+    ],
+)
+def test_layer_widths_that_are_not_positive_integers_are_one_config_error(factory, kwargs, key):
+    shape = (1, 8, 8)
+    with pytest.raises(ConfigError) as e:
+        factory(shape, 10, **kwargs)
+    assert e.value.key == key and "\n" not in str(e.value)

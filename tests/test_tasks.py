@@ -34,6 +34,12 @@ class MeanAbsoluteError(Task):
         return total / y.shape[0]
 
 
+class LossNamedTask(MeanAbsoluteError):
+    """A metric named like the loss field would overwrite eval_loss."""
+
+    metric = "loss"
+
+
 # ----------------------------------------------------------------------------------------- metrics vs oracles
 def test_regression_evaluation_matches_scikit_learns_mse_and_r2():
     from sklearn.metrics import mean_squared_error, r2_score
@@ -150,6 +156,7 @@ def test_the_vectorized_engine_trains_regression_like_the_client_app(tmp_path):
         ([*REGRESSION, "target_r2=1.5"], "target_r2", "(-inf, 1]"),
         (["task._target_=fedsim.tasks.Task"], "task._target_", "loss, score, finish missing"),
         (["task._target_=no.such.Task"], "task._target_", "PYTHONPATH"),
+        (["task._target_=test_tasks.LossNamedTask", "dataset=diabetes"], "task._target_", "other than 'loss'"),
     ],
 )
 def test_a_task_that_does_not_fit_is_one_line_naming_the_key(over, key, says):

@@ -14,6 +14,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import signal
@@ -110,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"logs, pid file and private FLWR_HOME (default {DEFAULT_WORKDIR})",
     )
     loc.add_argument(
-        "--timeout", type=float, default=3600.0, help="seconds to wait for the run (default 3600)"
+        "--timeout", type=_seconds, default=3600.0, help="seconds to wait for the run (default 3600)"
     )
     loc.add_argument("--keep", action="store_true", help="leave the federation running (stop it with `stop`)")
 
@@ -160,7 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument(
         "--port", type=int, default=9094, help="this SuperNode's own Runtime API port (default 9094)"
     )
-    n.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the SuperLink (default 30)")
+    n.add_argument(
+        "--wait", type=_seconds, default=30.0, help="seconds to wait for the SuperLink (default 30)"
+    )
     n.add_argument("--dry-run", action="store_true", help="check and print the command, do not start it")
 
     s = sub.add_parser("stop", help="stop a federation left running by `local --keep`")
@@ -336,6 +339,17 @@ def run_supernode(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def _seconds(text: str) -> float:
+    """A finite number of seconds >= 0 (argparse refuses anything else with one line and exit 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = _parser().parse_args(argv)
@@ -345,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                 out = make_certs(args.dir, nodes=args.nodes, hosts=tuple(args.host), ca_key=args.ca_key)
             except ValueError as e:
                 raise DeployError(str(e)) from None
+            except OSError as e:  # e.g. the folder is a file, or not writable
+                raise DeployError(f"cannot write certificates to {args.dir}: {e.strerror}") from None
             for f in sorted(out.iterdir()):
                 print(f)
             if args.ca_key:
