@@ -72,6 +72,7 @@ def test_scaffold_matches_the_hand_oracle(tmp_path):
     assert not torch.allclose(other["1.weight"].double(), oracle["1.weight"], atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["scaffold", "ditto"])
 def test_resume_is_bit_identical_with_the_client_state(tmp_path, strategy):
     over = [f"strategy={strategy}", *SCAFFOLD[2:-1], "client.batch_size=8", "client.local_steps=3"]
@@ -112,6 +113,7 @@ def test_client_state_checkpoint_and_resume_drop_an_abandoned_future(tmp_path):
     ]  # version 3 is gone
 
 
+@pytest.mark.slow
 def test_scaffold_clients_fall_back_from_the_vectorized_engine(tmp_path):
     a = run_tiny(tmp_path / "seq", *SCAFFOLD, "num_rounds=2")
     b = run_tiny(tmp_path / "vec", *SCAFFOLD, "num_rounds=2", "engine=vectorized")
@@ -146,6 +148,7 @@ class KeepsState(LocalSGD):
         run.state = {"tasks": np.asarray(run.state.get("tasks", 0)) + 1}
 
 
+@pytest.mark.slow
 def test_a_users_stateful_algorithm_keeps_its_state_per_client(tmp_path):
     run_tiny(tmp_path, "+client._target_=test_algorithms.KeepsState", "num_rounds=3")
     counts = {}
@@ -225,6 +228,7 @@ def _feddyn_oracle(rounds: int) -> dict[str, torch.Tensor]:
     return x
 
 
+@pytest.mark.slow
 def test_feddyn_matches_the_hand_oracle(tmp_path):
     run_tiny(tmp_path, *FEDDYN, "num_rounds=2")
     model = torch.load(tmp_path / "model.pt")
@@ -260,6 +264,7 @@ def _gd(w0, xb, yb, steps, extra=lambda k, p: 0.0):
     return {k: v.detach() for k, v in w.items()}
 
 
+@pytest.mark.slow
 def test_ditto_personal_models_match_the_hand_oracle(tmp_path):
     run_tiny(tmp_path, *DITTO, "num_rounds=1")
     x0, data = _client_data(DITTO)
@@ -278,6 +283,7 @@ def test_ditto_personal_models_match_the_hand_oracle(tmp_path):
         torch.testing.assert_close(model[k].double(), expect, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fedper_keeps_the_head_on_the_clients(tmp_path):
     over = ["strategy=fedper", "strategy.personal_layers=[1.bias]", *SCAFFOLD[2:]]
     run_tiny(tmp_path, *over, "num_rounds=2")
@@ -293,6 +299,7 @@ def test_fedper_keeps_the_head_on_the_clients(tmp_path):
     assert not np.allclose(heads[0], heads[1])  # each client its own head
 
 
+@pytest.mark.slow
 def test_personal_evaluation_reports_mean_and_tenth_percentile(tmp_path):
     run_tiny(tmp_path, "strategy=ditto", "federated_eval=true", "num_rounds=2")
     rec = read_metrics(tmp_path)[-1]

@@ -62,6 +62,21 @@ def _fake_files(group: str, option: str, tmp_path: Path) -> list[str]:
     return []
 
 
+def test_every_shipped_yaml_names_a_target_that_exists():
+    """The quick half: each YAML of conf/ loads and its ``_target_`` imports (the slow half composes, builds and
+    runs every one)."""
+    import yaml
+    from hydra.utils import get_object
+
+    for group, option in OPTIONS:
+        node = yaml.safe_load((CONF / group / f"{option}.yaml").read_text()) or {}
+        assert isinstance(node, dict), (group, option)
+        target = node.get("_target_")
+        if target is not None:
+            assert callable(get_object(target)), (group, option, target)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_config_option_composes_and_runs(group, option, tmp_path):
     extra = _fake_files(group, option, tmp_path / "data") if group == "dataset" else []

@@ -67,6 +67,7 @@ def test_fedbuff_k1_without_staleness_equals_fedasync_with_alpha_eta():
         np.testing.assert_allclose(b[k], x[k] + 0.3 * (xc[k] - x[k]), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_fedbuff_k1_and_fedasync_runs_coincide_when_nothing_is_stale(tmp_path):
     common = [
         "num_rounds=6",
@@ -85,6 +86,7 @@ def test_fedbuff_k1_and_fedasync_runs_coincide_when_nothing_is_stale(tmp_path):
         assert ra["sim_time"] == rb["sim_time"]
 
 
+@pytest.mark.slow
 def test_async_proximal_term_matches_fedprox_on_one_full_batch_client(tmp_path):
     """FedAsync's rho: alpha=1 with one client (full batch, no shuffling) is FedProx with mu=rho, round for round."""
     common = [
@@ -146,6 +148,7 @@ def test_hinge_defaults_to_the_papers_slope_not_the_polynomials_exponent():
         FedAsync(staleness="hinge", hinge_a=-1)
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics_and_vectorized_engine_agrees(tmp_path):
     over = ["strategy=fedbuff", "strategy.buffer_size=2", "heterogeneity=lognormal", "num_rounds=4", "seed=3"]
     a = without_wall_time(_records(tmp_path, "a", *over))
@@ -181,6 +184,7 @@ def test_a_population_that_never_answers_fails_clearly(tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_resume_fedbuff_is_bit_identical(tmp_path):
     over = [
         "strategy=fedbuff",
@@ -215,6 +219,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, needle", BAD, ids=[b[1] for b in BAD])
 def test_bad_async_and_heterogeneity_input_is_refused_before_training(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as err:

@@ -160,12 +160,14 @@ def test_label_flip_names_the_attackers_in_the_train_config():
         (["attack=sign_flip", "strategy=fedbuff"], "attack"),
     ],
 )
+@pytest.mark.slow
 def test_bad_attack_config_is_one_config_error(overrides, key):
     with pytest.raises(ConfigError) as err:
         build_experiment(compose_cfg("num_clients=10", "clients_per_round=10", *overrides))
     assert err.value.key == key
 
 
+@pytest.mark.slow
 def test_run_records_the_malicious_replies_of_each_round(tmp_path):
     summary = run_tiny(tmp_path, "attack=sign_flip", "attack.fraction=0.5", "num_rounds=3")
     bad = set(summary["malicious_clients"])
@@ -175,6 +177,7 @@ def test_run_records_the_malicious_replies_of_each_round(tmp_path):
         assert r["malicious"] == len(bad & set(sample_cohort(0, r["round"], n, m)))
 
 
+@pytest.mark.slow
 def test_label_flip_trains_the_attackers_on_flipped_labels(tmp_path):
     from fedsim import client_app
     from fedsim.build import client_spec, client_task

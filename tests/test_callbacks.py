@@ -34,12 +34,14 @@ class Broken(Callback):
         raise RuntimeError("tracker down")
 
 
+@pytest.mark.slow
 def test_a_users_callback_sees_the_start_every_record_and_the_end(tmp_path):
     summary = run_tiny(tmp_path, "callbacks=[{_target_: test_callbacks.Collect, tag: mine}]")
     rounds = [r["round"] for r in read_metrics(tmp_path)]
     assert Collect.seen == [("start", 2, 0), *[("round", r) for r in rounds], ("end", summary["status"])]
 
 
+@pytest.mark.slow
 def test_a_failing_callback_is_warned_about_once_and_the_run_goes_on(tmp_path, caplog):
     summary = run_tiny(tmp_path, "callbacks=[{_target_: test_callbacks.Broken}]")
     assert summary["status"] == "completed" and summary["rounds_done"] == 2
@@ -47,6 +49,7 @@ def test_a_failing_callback_is_warned_about_once_and_the_run_goes_on(tmp_path, c
     assert len(warnings) == 1 and "tracker down" in warnings[0].getMessage()
 
 
+@pytest.mark.slow
 def test_callbacks_and_loggers_that_cannot_be_built_are_one_line(monkeypatch):
     from fedsim.experiment import build_experiment
 
@@ -70,6 +73,7 @@ def test_scalars_flatten_nested_fields_and_keep_booleans_as_numbers():
 
 
 # ------------------------------------------------------------------------------------------- the trackers
+@pytest.mark.slow
 def test_tensorboard_event_files_hold_every_metrics_field_and_the_hyperparameters(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -87,6 +91,7 @@ def test_tensorboard_event_files_hold_every_metrics_field_and_the_hyperparameter
     assert "_hparams_/session_start_info" in ea.PluginTagToContent("hparams")
 
 
+@pytest.mark.slow
 def test_mlflow_store_holds_the_params_every_round_and_the_final_metrics(tmp_path):
     pytest.importorskip("mlflow")
     pytest.importorskip("sqlalchemy")
@@ -103,6 +108,7 @@ def test_mlflow_store_holds_the_params_every_round_and_the_final_metrics(tmp_pat
     assert run.data.metrics["final.final_eval_accuracy"] == pytest.approx(summary["final_eval_accuracy"])
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_written_in_the_run_folder(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -114,6 +120,7 @@ def test_wandb_offline_run_is_written_in_the_run_folder(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- progress
+@pytest.mark.slow
 def test_a_progress_bar_with_eta_on_request_and_one_line_per_round_in_logs(tmp_path, capsys):
     from fedsim.run import run_experiment
 

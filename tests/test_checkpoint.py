@@ -14,6 +14,7 @@ def _same_models(a, b):
     return ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fedavg", "fedadam"])
 def test_resume_is_bit_identical(tmp_path, strategy):
     full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
@@ -27,6 +28,7 @@ def test_resume_is_bit_identical(tmp_path, strategy):
     assert _same_models(resumed, full)
 
 
+@pytest.mark.slow
 def test_resume_with_adaptive_clipping_and_accountant_is_bit_identical(tmp_path):
     # the clip norm, the noise stream and the privacy accountant all continue where they stopped; the full run
     # draws the same noise and Poisson cohorts (every round non-empty) because its noise seed is set
@@ -44,6 +46,7 @@ def test_resume_with_adaptive_clipping_and_accountant_is_bit_identical(tmp_path)
     assert _same_models(tmp_path / "resumed", tmp_path / "full")
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     import fedsim.server as server
 
@@ -111,6 +114,7 @@ def _evaluator_interrupted_at(monkeypatch, call: int) -> None:
     monkeypatch.setattr(run, "make_evaluator", make_interrupting)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["federated_eval", "server_eval", "round_1"])
 def test_ctrl_c_anywhere_in_a_round_resumes_bit_identical(tmp_path, monkeypatch, where):
     """Ctrl-C after a round's aggregation (during its evaluations) or in round 1: the checkpoint is the end of
@@ -139,6 +143,7 @@ def test_ctrl_c_anywhere_in_a_round_resumes_bit_identical(tmp_path, monkeypatch,
     assert _same_models(tmp_path / "resumed", tmp_path / "full")
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_an_async_run_resumes_bit_identical(tmp_path, monkeypatch):
     """FedBuff interrupted while clients train (tasks in flight, updates buffered): nothing is lost or repeated."""
     from fedsim.async_server import AsyncLoop
@@ -163,6 +168,7 @@ def test_ctrl_c_in_an_async_run_resumes_bit_identical(tmp_path, monkeypatch):
     assert _same_models(tmp_path / "resumed", tmp_path / "full")
 
 
+@pytest.mark.slow
 def test_resume_does_not_inherit_the_stop_or_a_target_reached_for_another_target(tmp_path):
     first = run_tiny(
         tmp_path / "a", "num_rounds=6", "target_accuracy=0.3", "stop_at_target=true", "checkpoint_every=1"
@@ -175,6 +181,7 @@ def test_resume_does_not_inherit_the_stop_or_a_target_reached_for_another_target
     assert again["target_round"] is None  # 0.3 was reached, 0.99 was not
 
 
+@pytest.mark.slow
 def test_resume_with_another_experiment_is_a_config_error(tmp_path):
     from fedsim.errors import ConfigError
 
@@ -201,6 +208,7 @@ def test_resume_with_another_experiment_is_a_config_error(tmp_path):
     assert ok["rounds_done"] == 3
 
 
+@pytest.mark.slow
 def test_a_stopped_run_evaluates_and_checkpoints_its_final_model(tmp_path):
     """An epsilon budget stops the run between evaluations: the last round is evaluated and checkpointed anyway."""
     s = run_tiny(

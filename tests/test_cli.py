@@ -43,6 +43,7 @@ BAD = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, needle", BAD, ids=[b[1] for b in BAD])
 def test_bad_values_raise_config_error_naming_the_key(tmp_path, overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -63,6 +64,7 @@ def test_a_cuda_device_this_machine_lacks_is_a_config_error(tmp_path, override):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_cli_bad_value_prints_one_line_and_exits_2(tmp_path):
     res = fedsim("partitioner.alpha=0", cwd=tmp_path)
     assert res.returncode == 2
@@ -71,6 +73,7 @@ def test_cli_bad_value_prints_one_line_and_exits_2(tmp_path):
     assert len(errors) == 1 and "partitioner.alpha=0" in errors[0]
 
 
+@pytest.mark.slow
 def test_cli_unknown_option_is_refused(tmp_path):
     res = fedsim("strategy=nosuch", cwd=tmp_path)
     assert res.returncode == 2 and "Traceback" not in res.stderr
@@ -87,6 +90,7 @@ def test_cli_unknown_option_is_refused(tmp_path):
     assert res.returncode == 2 and "did you mean 'client.lr'?" in res.stderr
 
 
+@pytest.mark.slow
 def test_cli_multirun_writes_sweep_summary_and_survives_a_failing_job(tmp_path):
     res = fedsim(
         "-m",
@@ -136,6 +140,7 @@ def test_cli_multirun_writes_sweep_summary_and_survives_a_failing_job(tmp_path):
     assert rows[0]["final_eval_accuracy"] == "" and "clients_per_round=7" in rows[0]["error"]
 
 
+@pytest.mark.slow
 def test_cli_run_that_cannot_go_on_prints_one_line_and_keeps_its_outputs(tmp_path):
     res = fedsim(
         "strategy=fedasync",

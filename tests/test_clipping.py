@@ -185,6 +185,7 @@ def test_noise_std_is_z_c_over_m_empirically():
     np.testing.assert_allclose(stds, z * c / m, rtol=0.01)  # 200k draws each: relative error ~0.2 %
 
 
+@pytest.mark.slow
 def test_noise_comes_from_the_server_only_noise_seed_not_the_run_seed():
     def out(seed, noise_seed):
         s = fixed(noise_multiplier=1.0, seed=seed, noise_seed=noise_seed)
@@ -222,6 +223,7 @@ def test_train_metrics_keep_their_example_weights_with_and_without_noise(z):
 
 
 # ---------------------------------------------------------------- accounting and budget
+@pytest.mark.slow
 def test_round_accountant_matches_the_reference_table_and_dp_accounting():
     # ../ALGORITHMS.md "computed here" table: (N, m) with q = m / N, z, T, delta, epsilon (RDP), epsilon (PLD)
     table = [
@@ -251,6 +253,7 @@ def test_fixed_size_sampling_is_accounted_without_replacement_under_replace_one(
         RoundAccountant(1000, 100, 1.0, 1e-5, sampling="fixed", accountant="pld")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_max_rounds_is_the_last_round_within_the_budget(accountant):
     acc = RoundAccountant(40, 4, 1.0, 1e-5, accountant=accountant)

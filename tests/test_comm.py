@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from helpers import read_metrics, run_tiny
 from strategy_helpers import server_identity
@@ -30,6 +31,7 @@ def test_a_shared_content_counts_once_per_message():
     assert message_bytes([]) == 0
 
 
+@pytest.mark.slow
 def test_a_run_records_the_bytes_of_each_round(tmp_path):
     run_tiny(tmp_path, "model=logreg", "num_rounds=2")  # digits: 64 * 10 + 10 float32 = 2600 bytes a model
     for r in read_metrics(tmp_path)[1:]:
@@ -40,6 +42,7 @@ def test_a_run_records_the_bytes_of_each_round(tmp_path):
     assert "bytes_up" not in read_metrics(tmp_path)[0]  # round 0 sends nothing
 
 
+@pytest.mark.slow
 def test_summary_and_sweep_summary_carry_the_total_bytes_and_curves_plot_against_them(tmp_path):
     import matplotlib.image
 

@@ -52,6 +52,7 @@ def test_qsgd_is_unbiased_and_bounded():
     assert set(np.unique(levels)) <= {-1, 0, 1} and norm == pytest.approx(np.linalg.norm(v))
 
 
+@pytest.mark.slow
 def test_topk_cuts_bytes_up_by_the_expected_amount(tmp_path):
     run_tiny(tmp_path / "none", "model=logreg", "num_rounds=1")
     run_tiny(tmp_path / "topk", "model=logreg", "num_rounds=1", "compression=topk", "compression.ratio=0.1")
@@ -62,6 +63,7 @@ def test_topk_cuts_bytes_up_by_the_expected_amount(tmp_path):
         assert abs(saved - m * (4 * d - 8 * k)) <= m * 100  # 4 bytes a weight against 8 a sent entry
 
 
+@pytest.mark.slow
 def test_topk_with_every_entry_is_no_compression(tmp_path):
     run_tiny(tmp_path / "none", "num_rounds=3")
     run_tiny(tmp_path / "all", "num_rounds=3", "compression=topk", "compression.ratio=1.0")
@@ -91,12 +93,14 @@ def test_the_residual_survives_a_resume(tmp_path):
         (["compression=qsgd", "strategy=fedbuff"], "compression"),
     ],
 )
+@pytest.mark.slow
 def test_bad_compression_config_is_one_config_error(overrides, key):
     with pytest.raises(ConfigError) as err:
         build_experiment(compose_cfg("num_clients=6", "clients_per_round=3", *overrides))
     assert err.value.key == key
 
 
+@pytest.mark.slow
 def test_compression_leaves_a_client_algorithms_extra_records_alone(tmp_path):
     run_tiny(tmp_path / "plain", "strategy=scaffold")
     run_tiny(tmp_path / "topk", "strategy=scaffold", "compression=topk", "compression.ratio=1.0")

@@ -283,6 +283,7 @@ def test_expected_dataset_configs_exist():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", sorted(CONF.glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_dataset_config_instantiates(path, tmp_path, monkeypatch):
     from hydra.utils import instantiate
@@ -394,6 +395,7 @@ def test_hf_parquet_images_keep_their_writers_for_natural_partitions(tmp_path, h
     assert all(len(set(ds.groups[p])) == 1 for p in parts)
 
 
+@pytest.mark.slow
 def test_hf_parquet_runs_end_to_end_with_natural_partitions(tmp_path, hf_home):
     from helpers import run_tiny
 
@@ -481,6 +483,7 @@ def test_npz_folder_with_test_file_and_groups(tmp_path):
     assert ds.groups.tolist() == [2] * 10 + [0] * 10 + [1] * 10 + [3] * 10  # owner ids in sorted order
 
 
+@pytest.mark.slow
 def test_npz_single_file_holds_out_a_stratified_test_set_and_runs(tmp_path):
     from helpers import run_tiny
 

@@ -320,6 +320,7 @@ def test_without_a_binding_a_duplicate_claim_keeps_the_first_registered(tmp_path
     assert _connect(fleet, num_clients=2)[0] == {0: 10, 1: 11}
 
 
+@pytest.mark.slow
 def test_a_partition_left_open_by_a_refused_claim_is_an_error_naming_it(tmp_path):
     from fedsim.deploy.nodes import NodeGate, parse_binding
     from fedsim.errors import RunError
@@ -538,6 +539,7 @@ def test_certs_keep_the_ca_key_apart_and_keys_private(tmp_path):
 # ---- bad input: one clear error each, nothing hangs ----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_superlink_that_does_not_answer_fails_fast():
     t0 = time.monotonic()
     with pytest.raises(DeployError, match=r"did not answer within 1.5 s .*check the address"):
@@ -560,6 +562,7 @@ def test_missing_certificates_are_named(tmp_path):
         Security(tls=False, auth=True)
 
 
+@pytest.mark.slow
 def test_bad_node_settings_are_refused_before_starting(tmp_path):
     dead = f"127.0.0.1:{free_port()}"
     with pytest.raises(

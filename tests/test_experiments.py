@@ -89,6 +89,7 @@ def test_experiment_file_header(name):
     assert any(f"experiment={name}" in ln and "fedsim" in ln for ln in comments), "no command in the header"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_experiment_runs_with_its_settings(name, tmp_path):
     summary = _tiny(name, tmp_path)
@@ -153,6 +154,7 @@ def _fates(tmp_path: Path, *extra: str, small: bool = True) -> list[dict]:
     return read_metrics(tmp_path / "run")[1:]
 
 
+@pytest.mark.slow
 def test_fedprox_stragglers_cannot_finish(tmp_path):
     # every task straggles: FedAvg (partial_work=false) drops them all, FedProx keeps their partial work
     # (at the experiment's E = 20 a straggler gets through 800 examples, fewer than any client's 20 epochs)
@@ -183,6 +185,7 @@ def test_fedprox_synthetic_paper_setting():
     assert cfg.model._target_.endswith("logreg")
 
 
+@pytest.mark.slow
 def test_dp_fedavg_reports_epsilon(tmp_path):
     summary = _tiny("dp_fedavg", tmp_path)
     records = read_metrics(tmp_path / "run")[1:]

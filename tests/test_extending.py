@@ -142,6 +142,7 @@ def fedsim(*args, cwd: Path):
     )
 
 
+@pytest.mark.slow
 def test_precheck_learns_the_users_options_and_keys_from_the_search_path(user_folder, monkeypatch):
     monkeypatch.chdir(user_folder)
     searchpath = f"hydra.searchpath=[file://{user_folder}/conf]"

@@ -13,6 +13,7 @@ RATES = {"error": 0.2, "timeout": 0.1, "nan": 0.1, "shape": 0.1, "dtype": 0.1}
 KIND_OF = {"error": "error", "timeout": "timeout", "nan": "nonfinite", "shape": "shape", "dtype": "dtype"}
 
 
+@pytest.mark.slow
 def test_every_fault_kind_is_dropped_and_counted(tmp_path, caplog):
     over = ["num_clients=10", "clients_per_round=10", "num_rounds=3", "faults=mixed", "partitioner=iid"]
     over += [f"faults.{k}={v}" for k, v in RATES.items()]
@@ -34,6 +35,7 @@ def test_every_fault_kind_is_dropped_and_counted(tmp_path, caplog):
     assert not any("Traceback" in m for m in caplog.messages)
 
 
+@pytest.mark.slow
 def test_round_below_quorum_is_skipped_and_run_goes_on(tmp_path):
     summary = run_tiny(
         tmp_path,
@@ -62,6 +64,7 @@ def test_bad_fault_rates_are_config_errors(tmp_path, over, key):
         run_tiny(tmp_path, "faults=mixed", *over)
 
 
+@pytest.mark.slow
 def test_cohort_too_big_for_memory_is_refused_up_front(tmp_path, monkeypatch):
     import fedsim.experiment as run_mod
 

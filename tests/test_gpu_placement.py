@@ -133,6 +133,7 @@ def test_fake_ray_gpus_zero_share_actors_see_no_gpu(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- memory
+@pytest.mark.slow
 def test_out_of_memory_shrinks_the_batch_once_and_results_do_not_change(tmp_path, monkeypatch, caplog):
     """An injected out-of-memory error above 2 clients per batch: batches of 1, logged once, same results."""
     over = ["num_rounds=3", "num_clients=6", "clients_per_round=4"]
@@ -161,6 +162,7 @@ def test_out_of_memory_shrinks_the_batch_once_and_results_do_not_change(tmp_path
             assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), (ra["round"], k)
 
 
+@pytest.mark.slow
 def test_a_single_client_that_does_not_fit_runs_through_the_client_app(tmp_path, monkeypatch, caplog):
     def never(members, *args):
         raise torch.OutOfMemoryError("injected")
@@ -303,6 +305,7 @@ def test_gpu_placement_trains_on_the_gpu(tmp_path):
     assert compose_cfg("placement=gpu").placement.device == "cuda"
 
 
+@pytest.mark.slow
 def test_client_data_leaves_the_device_when_the_run_ends(tmp_path):
     run_tiny(tmp_path, "engine=vectorized")
     assert build.client_task.cache_info().currsize == 0 and not build._MODELS

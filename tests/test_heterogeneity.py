@@ -102,6 +102,7 @@ def test_plan_round_decides_each_fate():
     assert [p.fate for p in plan_round(strict, work, [0, 1], rnd=1)] == ["train", "late"]
 
 
+@pytest.mark.slow
 def test_sync_deadline_drops_late_clients_or_keeps_their_partial_work(tmp_path):
     over = [
         "num_clients=6",
@@ -127,6 +128,7 @@ def test_sync_deadline_drops_late_clients_or_keeps_their_partial_work(tmp_path):
     assert recs[0]["sim_time"] <= 1.0
 
 
+@pytest.mark.slow
 def test_sync_dropouts_are_counted_and_the_run_goes_on(tmp_path):
     run_tiny(
         tmp_path,
@@ -178,6 +180,7 @@ def test_partial_work_limit_reaches_only_the_late_client():
     assert msgs[1].content[keys.ARRAYS] is shared[keys.ARRAYS]  # the weights are not copied
 
 
+@pytest.mark.slow
 def test_partial_work_gives_the_same_result_on_the_vectorized_engine(tmp_path):
     over = [
         "num_rounds=3",

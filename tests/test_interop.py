@@ -89,6 +89,7 @@ def _stock_grid(n: int, app: str = "stock_app") -> GridView:
     return _WithoutPartitionOf(PoolGrid(n, app_ref=f"test_interop:{app}"))
 
 
+@pytest.mark.slow
 def test_stock_clientapp_trains_under_fedsim_server(tmp_path, caplog):
     from fedsim.run import run_experiment
 
@@ -104,6 +105,7 @@ def test_stock_clientapp_trains_under_fedsim_server(tmp_path, caplog):
     assert "6 node(s) run a ClientApp that is not fedsim's, identified by node id" in caplog.text
 
 
+@pytest.mark.slow
 def test_stock_clientapp_under_fedsims_async_loop(tmp_path):
     from fedsim.run import run_experiment
 
@@ -113,6 +115,7 @@ def test_stock_clientapp_under_fedsims_async_loop(tmp_path):
     assert all(r.get("failures", 0) == 0 for r in read_metrics(tmp_path))
 
 
+@pytest.mark.slow
 def test_stock_client_with_another_model_is_one_line_naming_the_mismatch(tmp_path):
     from fedsim.run import run_experiment
 

@@ -240,6 +240,7 @@ def test_one_client_gets_everything():
         assert_valid(fn(LABELS, 1, np.random.default_rng(0)), LABELS.size, 1)
 
 
+@pytest.mark.slow
 def test_scale_1e5_clients_over_1e6_labels():
     labels = np.random.default_rng(0).integers(0, 10, 10**6)
     k = 10**5

@@ -63,6 +63,7 @@ def seed_where(pred, n: int, m: int, rounds: int) -> int:
 
 
 # ---------------------------------------------------------------- 1. sampling and accounting agree
+@pytest.mark.slow
 @pytest.mark.parametrize("sampling, accountant", [("poisson", "rdp"), ("poisson", "pld"), ("fixed", "rdp")])
 def test_epsilon_per_round_equals_dp_accounting_for_the_sampler_that_ran(tmp_path, sampling, accountant):
     n, m, rounds = 20, 5, 3
@@ -94,6 +95,7 @@ def test_epsilon_per_round_equals_dp_accounting_for_the_sampler_that_ran(tmp_pat
     assert summary["noise_multiplier"] == 1.0 and summary["noise_seed"] == ns
 
 
+@pytest.mark.slow
 def test_poisson_cohorts_vary_and_skipped_rounds_are_charged(tmp_path):
     # q = 0.5 over 6 clients; rounds with fewer than min_replies = 3 sampled clients are skipped
     n, m, rounds = 6, 3, 6
@@ -121,6 +123,7 @@ def test_poisson_cohorts_vary_and_skipped_rounds_are_charged(tmp_path):
     assert summary["rounds_accounted"] == rounds
 
 
+@pytest.mark.slow
 def test_the_budget_stop_still_works_with_poisson_sampling(tmp_path):
     budget = (
         direct_epsilon("poisson", "rdp", 6, 3, 1.0, 1e-5, 3)
@@ -172,6 +175,7 @@ class _Tap:
         return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("noise_seed", [918273645, None])
 def test_no_message_to_a_client_carries_the_noise_seed(tmp_path, monkeypatch, noise_seed):
     tap = _Tap(monkeypatch)
@@ -193,6 +197,7 @@ def test_no_message_to_a_client_carries_the_noise_seed(tmp_path, monkeypatch, no
     assert specs and all("clipping" not in spec for spec in specs)  # the clipping section stays on the server
 
 
+@pytest.mark.slow
 def test_the_run_seed_no_longer_regenerates_the_noise(tmp_path, monkeypatch):
     """One round with noise far above the clipped updates: the model moves by the noise, which the old
     derivation from the run seed (sent to every client) does not reproduce and the server's noise seed does."""
@@ -226,6 +231,7 @@ def test_the_run_seed_no_longer_regenerates_the_noise(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- 3. only private releases about clients
+@pytest.mark.slow
 def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
     run_tiny(
         tmp_path / "private", "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client"
@@ -245,6 +251,7 @@ def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
 
 
 # ---------------------------------------------------------------- resume
+@pytest.mark.slow
 def test_a_resumed_dp_run_keeps_its_drawn_noise_seed(tmp_path):
     """noise_seed null: the seed drawn from OS entropy is checkpointed, so the resumed run is the run that a
     fresh one with that seed set explicitly would have been, bit for bit."""

@@ -171,6 +171,7 @@ def test_the_progress_line_survives_a_diverged_loss(tmp_path):
 
 
 # --------------------------------------------------------------------------------- strict input (items 4, 8)
+@pytest.mark.slow
 def test_on_off_keys_take_only_true_or_false():
     assert compose_cfg("quiet=no").quiet == "no"  # what Hydra hands over: a string, not a bool
     base = compose_cfg()

@@ -44,6 +44,7 @@ def test_run_folder_has_every_output(tmp_path):
     net.load_state_dict(torch.load(tmp_path / "model.pt"))
 
 
+@pytest.mark.slow
 def test_same_seed_same_metrics_and_model(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
     run_tiny(a, "seed=3")
@@ -72,6 +73,7 @@ def test_default_experiment_learns(tmp_path):
     assert summary["final_eval_accuracy"] > 0.6
 
 
+@pytest.mark.slow
 def test_failing_client_is_dropped_and_counted(tmp_path, monkeypatch):
     import fedsim.client_app as ca
 
@@ -82,7 +84,8 @@ def test_failing_client_is_dropped_and_counted(tmp_path, monkeypatch):
             raise RuntimeError("simulated device failure")
         return original(model, x, y, cfg, gen, **kwargs)
 
-    monkeypatch.setattr(ca, "train_local", flaky)  # the ClientApp's path (the vectorized engine batches clients)
+    # the ClientApp's path (the vectorized engine would batch these clients)
+    monkeypatch.setattr(ca, "train_local", flaky)
     run_tiny(tmp_path, "num_clients=10", "clients_per_round=10", "partitioner=iid", "engine=inprocess")
     recs = read_metrics(tmp_path)[1:]
     sizes = json.loads((tmp_path / "partitions.json").read_text())
@@ -136,12 +139,14 @@ def test_fedsgd_round_equals_centralised_gradient_step(tmp_path):
         torch.testing.assert_close(got[k], v, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", ["momentum", "adam", "asgd"])
 def test_client_optimizers_run_end_to_end(tmp_path, opt):
     summary = run_tiny(tmp_path, f"client={opt}")
     assert summary["rounds_done"] == 2 and summary["total_failures"] == 0
 
 
+@pytest.mark.slow
 def test_federated_evaluation_records_client_metrics(tmp_path):
     run_tiny(tmp_path, "federated_eval=true", "val_fraction=0.3")
     recs = read_metrics(tmp_path)[1:]
@@ -161,6 +166,7 @@ def test_federated_evaluation_asks_a_seeded_fraction_of_the_cohort():
     assert sample_evaluators(0, 4, cohort, 1.0) == cohort and len(sample_evaluators(0, 4, cohort, 0.01)) == 1
 
 
+@pytest.mark.slow
 def test_federated_evaluation_fraction_is_honoured(tmp_path, monkeypatch):
     from fedsim import server
 
@@ -181,6 +187,7 @@ def test_federated_evaluation_fraction_is_honoured(tmp_path, monkeypatch):
         run_tiny(tmp_path / "bad", "federated_eval=true", "strategy.fraction_evaluate=0")
 
 
+@pytest.mark.slow
 def test_federated_evaluation_skips_clients_without_validation_examples(tmp_path):
     """Tiny partitions whose validation split rounds to zero examples: no division by zero, no fed_ fields."""
     summary = run_tiny(
@@ -190,6 +197,7 @@ def test_federated_evaluation_skips_clients_without_validation_examples(tmp_path
     assert all("fed_eval_accuracy" not in r for r in read_metrics(tmp_path))
 
 
+@pytest.mark.slow
 def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):
     summary = run_tiny(
         tmp_path,
@@ -216,6 +224,7 @@ def test_readme_lists_every_metrics_field_of_the_schema():
         assert f"| `{name}` | {meaning} |" in readme, name
 
 
+@pytest.mark.slow
 def test_a_run_writes_only_fields_the_schema_names(tmp_path):
     from fedsim import schema
 

@@ -134,6 +134,7 @@ def test_bad_selection_config_is_one_config_error(overrides, key):
     assert err.value.key == key
 
 
+@pytest.mark.slow
 def test_power_of_choice_runs_with_an_attack(tmp_path):
     summary = run_tiny(tmp_path, "selection=power_of_choice", "attack=sign_flip", "attack.fraction=0.5")
     assert summary["status"] == "completed" and summary["rounds_done"] == 2

@@ -77,6 +77,7 @@ def test_a_submitit_sweep_is_summarised_like_any_other(tmp_path):
     assert len(rows) == 3 and all(",completed," in r for r in rows[1:])
 
 
+@pytest.mark.slow
 def test_the_robustness_bundle_carries_its_strategy_by_attack_grid():
     from pathlib import Path
 

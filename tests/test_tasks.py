@@ -108,6 +108,7 @@ def test_federated_regression_equals_centralised_gradient_descent(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ a regression run
+@pytest.mark.slow
 def test_a_regression_run_names_every_output_after_r2(tmp_path):
     summary = run_tiny(tmp_path, *REGRESSION, "num_rounds=3", "federated_eval=true", "target_r2=-100")
     recs = read_metrics(tmp_path)
@@ -126,6 +127,7 @@ def test_a_regression_run_names_every_output_after_r2(tmp_path):
     assert parts["num_classes"] == 10 and sum(map(sum, parts["label_counts"])) == sum(parts["sizes"])
 
 
+@pytest.mark.slow
 def test_stop_at_target_follows_the_tasks_direction(tmp_path):
     """A lower-is-better metric (a user's own task) reaches its target by going below it."""
     task = ["task._target_=test_tasks.MeanAbsoluteError", "dataset=diabetes", "num_rounds=30"]
@@ -137,6 +139,7 @@ def test_stop_at_target_follows_the_tasks_direction(tmp_path):
     assert summary["best_eval_mae"] == min(r["eval_mae"] for r in recs)
 
 
+@pytest.mark.slow
 def test_the_vectorized_engine_trains_regression_like_the_client_app(tmp_path):
     a = run_tiny(tmp_path / "a", *REGRESSION, "engine=inprocess")
     b = run_tiny(tmp_path / "b", *REGRESSION, "engine=vectorized")
@@ -156,9 +159,14 @@ def test_the_vectorized_engine_trains_regression_like_the_client_app(tmp_path):
         ([*REGRESSION, "target_r2=1.5"], "target_r2", "(-inf, 1]"),
         (["task._target_=fedsim.tasks.Task"], "task._target_", "loss, score, finish missing"),
         (["task._target_=no.such.Task"], "task._target_", "PYTHONPATH"),
-        (["task._target_=test_tasks.LossNamedTask", "dataset=diabetes"], "task._target_", "other than 'loss'"),
+        (
+            ["task._target_=test_tasks.LossNamedTask", "dataset=diabetes"],
+            "task._target_",
+            "other than 'loss'",
+        ),
     ],
 )
+@pytest.mark.slow
 def test_a_task_that_does_not_fit_is_one_line_naming_the_key(over, key, says):
     from fedsim.experiment import build_experiment
 

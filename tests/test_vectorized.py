@@ -52,6 +52,7 @@ def test_setting_has_uneven_clients_and_partial_batches():
     assert any(s % 16 for s in sizes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_matches_sequential_inprocess(tmp_path, case, batched_clients):
     over = ["num_rounds=3", *CASES[case]]
@@ -63,6 +64,7 @@ def test_matches_sequential_inprocess(tmp_path, case, batched_clients):
     _close(tmp_path / "seq", tmp_path / "vec")
 
 
+@pytest.mark.slow
 def test_unsupported_optimizer_falls_back_to_the_client_app(tmp_path, batched_clients):
     run_tiny(tmp_path / "seq", "client=adam", "engine=inprocess")
     run_tiny(tmp_path / "vec", "client=adam", "engine=vectorized")
@@ -102,6 +104,7 @@ def test_models_it_cannot_batch_are_named():
     assert vectorized.unsupported(nn.Sequential(nn.Conv2d(1, 2, 3)), "cpu", False) is None  # grouped
 
 
+@pytest.mark.slow
 def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(tmp_path, monkeypatch, batched_clients):
     """A strategy that sends its own client-side key: the batched path must not drop it silently."""
     from flwr.app import ConfigRecord
@@ -180,6 +183,7 @@ def test_grouped_supports_only_plain_sequential_conv_nets():
     assert not supports(nn.Sequential(nn.Sequential(nn.Conv2d(1, 2, 3))))
 
 
+@pytest.mark.slow
 def test_auto_is_the_default_and_batches_a_cnn_on_the_cpu(tmp_path, batched_clients):
     assert compose_cfg().engine.name == "auto"
     over = ["num_rounds=2", "model=cnn", "model.channels=[4]", "model.hidden=8"]
@@ -191,6 +195,7 @@ def test_auto_is_the_default_and_batches_a_cnn_on_the_cpu(tmp_path, batched_clie
     _close(tmp_path / "seq", tmp_path / "auto")
 
 
+@pytest.mark.slow
 def test_auto_runs_what_it_cannot_batch_through_the_client_app_unchanged(tmp_path, batched_clients):
     run_tiny(tmp_path / "seq", "engine=inprocess", "client=adam")
     run_tiny(tmp_path / "auto", "client=adam")
