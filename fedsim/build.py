@@ -126,7 +126,8 @@ def set_numerics(deterministic: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS reductions
-    if deterministic or torch.are_deterministic_algorithms_enabled():  # (the call imports torch._inductor: 1 s)
+    # (the switch imports torch._inductor, a second per process: only called when it changes something)
+    if deterministic or torch.are_deterministic_algorithms_enabled():
         torch.use_deterministic_algorithms(deterministic, warn_only=True)
 
 

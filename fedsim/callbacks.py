@@ -48,7 +48,9 @@ class Callbacks:
             try:
                 getattr(cb, hook)(*args)
             except Exception as e:  # noqa: BLE001  (tracking must not cost the run its results)
-                log.warning("callback %s failed in %s and is off for this run: %s", type(cb).__name__, hook, e)
+                log.warning(
+                    "callback %s failed in %s and is off for this run: %s", type(cb).__name__, hook, e
+                )
                 self.callbacks.remove(cb)
 
     def start(self, out_dir: Path, config: dict, records: list[dict]) -> None:
@@ -108,7 +110,10 @@ def _need(module: str, extra: str, logger: str):
         return importlib.import_module(module)
     except ImportError:
         raise ConfigError(
-            "logger", logger, f"an installed tracker: pip install 'fedsim[{extra}]'", f"{module} is not installed."
+            "logger",
+            logger,
+            f"an installed tracker: pip install 'fedsim[{extra}]'",
+            f"{module} is not installed.",
         ) from None
 
 
