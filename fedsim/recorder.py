@@ -190,8 +190,21 @@ class Recorder:
         if not quiet and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
             from tqdm import tqdm
 
+            from fedsim import sweep
+
             done = self.records[-1][schema.ROUND] if self.records else 0
-            self.bar = tqdm(total=num_rounds, initial=done, unit="round", file=sys.stderr, dynamic_ncols=True)
+            nested = (
+                sweep.LAST_SWEEP is not None and sweep.LAST_SWEEP.bar is not None
+            )  # below the sweep's bar
+            self.bar = tqdm(
+                total=num_rounds,
+                initial=done,
+                unit="round",
+                file=sys.stderr,
+                dynamic_ncols=True,
+                position=1 if nested else None,
+                leave=not nested,
+            )
 
     def _append(self, text: str) -> None:
         """Append whole lines to metrics.jsonl; on failure cut the file back to its last whole line."""

@@ -154,6 +154,41 @@ def expected_jobs(config: DictConfig, started: float | None = None) -> set[int] 
     return found or None
 
 
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+def sweep_bar(config: DictConfig):
+    """A progress bar over the sweep's jobs (``progress=bar``, or ``auto`` on a terminal), or None.
+
+    Only where the jobs run in this process (Hydra's basic launcher), which is where their ends are seen; its
+    length is the basic sweeper's job count or Optuna's ``n_trials`` (unknown otherwise: a counter).
+    """
+    import sys
+
+    def chosen(key: str, default: Any) -> Any:  # the sweep's overrides are not in the config it starts with
+        given = [
+            o.split("=", 1)[1]
+            for o in (OmegaConf.select(config, "hydra.overrides.task") or [])
+            if o.startswith(f"{key}=")
+        ]
+        return given[-1] if given else OmegaConf.select(config, key, default=default)
+
+    mode = str(chosen("progress", "auto"))
+    if str(chosen("quiet", False)).lower() == "true" or mode == "lines":
+        return None
+    if mode != "bar" and not sys.stderr.isatty():
+        return None
+    if OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
+        return None
+    from tqdm import tqdm
+
+    jobs = (
+        expected_jobs(config) if OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER else None
+    )
+    total = len(jobs) if jobs else OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
+    return tqdm(total=total, unit="run", desc="sweep", position=0, file=sys.stderr, dynamic_ncols=True)
+
+
 class SweepSummary(Callback):
     """Writes the sweep summary when a multirun ends (failed jobs appear with their error).
 
@@ -167,18 +202,27 @@ class SweepSummary(Callback):
         self.jobs: set[int] = set()
         self.config: DictConfig | None = None
         self.started: float | None = None
+        self.bar = None  # the sweep's progress bar (jobs done, ETA); each job's round bar sits below it
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         global LAST_SWEEP
         self.jobs, self.config, self.started = set(), config, time.time()
         LAST_SWEEP = self
+        self.bar = sweep_bar(config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         num = OmegaConf.select(config, "hydra.job.num")
         if num is not None:
             self.jobs.add(int(num))
 
+    def on_job_end(self, config: DictConfig, job_return: Any = None, **kwargs: Any) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.bar is not None:
+            bar, self.bar = self.bar, None
+            bar.close()
         self.summarise(config)
 
     def summarise(self, config: DictConfig | None = None) -> None:

@@ -4,7 +4,7 @@ import json
 import sys
 
 import pytest
-from helpers import TINY, compose_cfg, read_metrics, run_tiny
+from helpers import TINY, compose_cfg, fedsim_cli, read_metrics, run_tiny
 
 from fedsim.callbacks import Callback, scalars
 from fedsim.errors import ConfigError
@@ -136,3 +136,14 @@ def test_a_progress_bar_with_eta_on_request_and_one_line_per_round_in_logs(tmp_p
     ]
     with pytest.raises(ConfigError, match="progress='barz'"):
         run_experiment(compose_cfg(*over, "progress=barz"), tmp_path / "bad")
+
+
+@pytest.mark.slow
+def test_a_sweep_shows_a_bar_over_its_runs_above_each_runs_bar(tmp_path):
+    res = fedsim_cli(
+        "-m", "seed=0,1", "progress=bar", "quiet=false", "hydra.sweep.dir=sweep", *TINY[:3], cwd=tmp_path
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    err = res.stderr.replace("\r", "\n")
+    assert "sweep: 100%" in err and "2/2 [" in err  # the sweep's bar: runs done, elapsed<remaining
+    assert "round/s" in err or "s/round" in err  # and each run's own bar
