@@ -29,17 +29,24 @@ def reply_metrics(msg: Message) -> MetricRecord:
     return next(iter(msg.content.metric_records.values()))
 
 
+MODEL_RECORD = "arrays"  # the reply's model record (fedsim.keys.ARRAYS, Flower's quickstart name)
+
+
 def rebuild_reply(
     msg: Message, arrays: Mapping[str, np.ndarray] | None = None, metrics: Mapping | None = None
 ) -> Message:
-    """A new reply with the same metadata as ``msg`` and its arrays and/or metrics replaced.
+    """A new reply with the same metadata as ``msg`` and its model arrays and/or metrics replaced.
 
-    Metric values in ``metrics`` override or add to the reply's own. Records not replaced are shared (they are
-    not modified); the given message is left untouched.
+    The model is the ArrayRecord named ``arrays`` (Flower's and fedsim's name), or the reply's only ArrayRecord;
+    other ArrayRecords (SCAFFOLD's ``scaffold-dc``, FedDyn's, ...) are kept. Metric values in ``metrics``
+    override or add to the reply's own. Records not replaced are shared (they are not modified); the given
+    message is left untouched.
     """
+    array_keys = [k for k, r in msg.content.items() if isinstance(r, ArrayRecord)]
+    model = MODEL_RECORD if MODEL_RECORD in array_keys else (array_keys[0] if len(array_keys) == 1 else None)
     records = {}
     for key, rec in msg.content.items():
-        if isinstance(rec, ArrayRecord) and arrays is not None:
+        if key == model and arrays is not None:
             rec = to_record(arrays)
         elif isinstance(rec, MetricRecord) and metrics is not None:
             rec = MetricRecord({**dict(rec), **dict(metrics)})

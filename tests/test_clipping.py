@@ -440,3 +440,27 @@ def test_adaptive_dp_reports_the_noised_unclipped_fraction_it_moves_c_with():
     b = metrics[keys.AGG_NOISY_UNCLIPPED_FRACTION]
     assert b != 0.0  # noised
     assert s.clip_norm == pytest.approx(c0 * math.exp(-0.2 * (b - 0.5)))
+
+
+def test_clipping_replaces_only_the_model_record_of_a_reply():
+    """SCAFFOLD's control-variate delta (``scaffold-dc``) travels in its own ArrayRecord: clipping rebuilt every
+    ArrayRecord of a reply with the clipped model, so SCAFFOLD under clipping=... lost it."""
+    from flwr.app import Message, MetricRecord, RecordDict
+    from strategy_helpers import server_identity
+
+    from fedsim.strategies.records import rebuild_reply, to_record
+
+    dc = {"w": np.full(3, 7.0, dtype=np.float32)}
+    content = RecordDict(
+        {
+            "arrays": to_record({"w": np.ones(3, dtype=np.float32)}),
+            "scaffold-dc": to_record(dc),
+            "metrics": MetricRecord({"num-examples": 5}),
+        }
+    )
+    with server_identity():
+        msg = Message(content, 1, "train")
+    new = rebuild_reply(msg, {"w": np.zeros(3, dtype=np.float32)}, {"num-examples": 1})
+    assert np.array_equal(new.content["arrays"]["w"].numpy(), np.zeros(3))
+    assert np.array_equal(new.content["scaffold-dc"]["w"].numpy(), dc["w"])
+    assert new.content["metrics"]["num-examples"] == 1
