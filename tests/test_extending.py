@@ -202,7 +202,7 @@ def test_a_user_folder_runs_with_its_own_data_model_and_strategy(user_folder):
     res = fedsim(f"hydra.searchpath=[file://{user_folder}/conf]", "dataset=blobz", cwd=user_folder)
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: config error")]
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1
-    assert "dataset='blobz' is not allowed: expected one of blobs, cifar10, digits" in errors[0]
+    assert "dataset='blobz' is not allowed: expected one of blobs, cifar10, diabetes, digits" in errors[0]
 
 
 @pytest.mark.slow
