@@ -197,18 +197,11 @@ class Attack(Strategy):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner strategy's state (the attackers follow from the seed)."""
-        inner = base.state_dict(self.strategy)
-        return {
-            "inner_state": inner,
-            "inner_pickle": None if inner is not None else base.pickle(self.strategy),
-        }
+        return base.inner_state(self.strategy)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        if state.get("inner_state") is not None:
-            self.strategy.load_state_dict(state["inner_state"])
-        elif state.get("inner_pickle") is not None:
-            self.strategy = base.unpickle(state["inner_pickle"])
+        self.strategy = base.load_inner_state(self.strategy, state)
 
 
 def with_model(msg: Message, arrays: dict[str, np.ndarray]) -> Message:

@@ -169,17 +169,10 @@ class _Compression(Strategy):
         return {**base.summary_fields(self.strategy), "compression": dict(self.settings())}
 
     def state_dict(self) -> dict[str, Any]:
-        inner = base.state_dict(self.strategy)
-        return {
-            "inner_state": inner,
-            "inner_pickle": None if inner is not None else base.pickle(self.strategy),
-        }
+        return base.inner_state(self.strategy)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("inner_state") is not None:
-            self.strategy.load_state_dict(state["inner_state"])
-        elif state.get("inner_pickle") is not None:
-            self.strategy = base.unpickle(state["inner_pickle"])
+        self.strategy = base.load_inner_state(self.strategy, state)
 
 
 class TopK(_Compression):

@@ -210,6 +210,22 @@ class _Unpickler(_pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def inner_state(inner: object) -> dict[str, Any]:
+    """A wrapper's checkpoint entries for the strategy it wraps: its ``state_dict()``, or the object pickled when
+    it has none (``inner_state`` / ``inner_pickle``)."""
+    state = state_dict(inner)
+    return {"inner_state": state, "inner_pickle": None if state is not None else pickle(inner)}
+
+
+def load_inner_state(inner: object, state: dict[str, Any]) -> object:
+    """The wrapped strategy after restoring what :func:`inner_state` wrote (loaded in place, or unpickled)."""
+    if state.get("inner_state") is not None:
+        inner.load_state_dict(state["inner_state"])
+    elif state.get("inner_pickle") is not None:
+        return unpickle(state["inner_pickle"])
+    return inner
+
+
 def pickle(strategy: object) -> bytes:
     """A strategy without ``state_dict`` as checkpoints keep it."""
     return _pickle.dumps(strategy)

@@ -416,15 +416,13 @@ class ClippingWrapper(Strategy):
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Clip norm, accounting, the noise seed in use and the inner strategy's state (``state_dict`` or pickle)."""
-        inner = base.state_dict(self.strategy)
         return {
             "clip_norm": self.clip_norm,
             "rounds_accounted": self.rounds_accounted,
             "last_round_charged": self.last_round_charged,
             "seed": self.seed,
             "noise_seed": self.noise_seed,
-            "inner_state": inner,
-            "inner_pickle": None if inner is not None else base.pickle(self.strategy),
+            **base.inner_state(self.strategy),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -435,7 +433,4 @@ class ClippingWrapper(Strategy):
         if state.get("noise_seed") is not None:
             self.noise_seed = int(state["noise_seed"])
         self._stop_reason = None
-        if state.get("inner_state") is not None:
-            self.strategy.load_state_dict(state["inner_state"])
-        elif state.get("inner_pickle") is not None:
-            self.strategy = base.unpickle(state["inner_pickle"])
+        self.strategy = base.load_inner_state(self.strategy, state)
