@@ -47,6 +47,56 @@ def test_digits_split_depends_on_seed_only():
         load_digits(seed=0, test_fraction=1.0)
 
 
+def _sklearn_oracle(bunch, seed, bins=None):
+    """scikit-learn's own loader, split the way fedsim splits (the oracle for the numpy reader)."""
+    y = bunch.target
+    strata = y if bins is None else bins(y, 10)
+    return stratified_split(strata, 0.2, np.random.default_rng(seed))
+
+
+def test_bundled_tables_read_without_scikit_learn_equal_its_loaders():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_diabetes as sk_diabetes
+    from sklearn.datasets import load_digits as sk_digits
+
+    from fedsim.data.base import value_bins
+    from fedsim.data.diabetes import load_diabetes
+
+    bunch = sk_digits()
+    train, test = _sklearn_oracle(bunch, 3)
+    ds = load_digits(seed=3)
+    assert np.array_equal(ds.x_train, (bunch.images[train] / 16.0).astype(np.float32)[:, None])
+    assert np.array_equal(ds.y_test, bunch.target[test]) and ds.x_train.dtype == np.float32
+    bunch = sk_diabetes(scaled=False)
+    train, _ = _sklearn_oracle(bunch, 1, value_bins)
+    x, y = bunch.data, bunch.target
+    want = ((x[train] - x[train].mean(0)) / x[train].std(0)).astype(np.float32)
+    got = load_diabetes(seed=1)
+    assert np.array_equal(got.x_train, want)
+    assert np.array_equal(got.y_train, ((y[train] - y[train].mean()) / y[train].std()).astype(np.float32))
+    # the point of the numpy reader: no scikit-learn import on a client's path
+    code = (
+        "import sys; from fedsim.data.digits import load_digits; from fedsim.data.diabetes import load_diabetes;"
+        "load_digits(seed=0); load_diabetes(seed=0); print('sklearn' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_bundled_tables_fall_back_to_scikit_learn(monkeypatch):
+    import importlib.util
+
+    from fedsim.data import base
+
+    want = load_digits(seed=2)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert base.sklearn_bundled("digits.csv.gz") is None
+    got = load_digits(seed=2)
+    assert np.array_equal(got.x_train, want.x_train) and np.array_equal(got.y_train, want.y_train)
+
+
 def test_stratified_split_is_a_partition():
     labels = np.repeat(np.arange(3), [10, 1, 7])
     train, test = stratified_split(labels, 0.3, np.random.default_rng(0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -134,3 +135,19 @@ def _threadpool_limits():
     except ImportError:  # pragma: no cover  (scikit-learn depends on it)
         return None
     return threadpool_limits
+
+
+def sklearn_bundled(filename: str, delimiter: str | None = ",") -> np.ndarray | None:
+    """One of the small tables scikit-learn ships in ``sklearn/datasets/data``, read with numpy.
+
+    The file is found without importing scikit-learn (about 1-2 s of every process's start-up, paid by each
+    fresh ``flwr-clientapp`` process in deployment); ``None`` when scikit-learn or the file is missing, so
+    the caller can fall back to scikit-learn's own loader. The values equal scikit-learn's (tested).
+    """
+    spec = importlib.util.find_spec("sklearn")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = os.path.join(root, "datasets", "data", filename)
+        if os.path.isfile(path):
+            return np.loadtxt(path, delimiter=delimiter, dtype=np.float64)
+    return None

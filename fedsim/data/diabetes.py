@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedsim.data.base import Dataset, value_bins
+from fedsim.data.base import Dataset, sklearn_bundled, value_bins
 from fedsim.data.digits import stratified_split
 
 __all__ = ["load_diabetes"]
@@ -32,9 +32,11 @@ def load_diabetes(seed: int, test_fraction: float = 0.2) -> Dataset:
     Dataset
         ``x`` of shape ``(n, 10)``, float32 targets (``targets="values"``), one model output.
     """
-    from sklearn.datasets import load_diabetes as _sklearn_diabetes
+    x, y = sklearn_bundled("diabetes_data_raw.csv.gz", None), sklearn_bundled("diabetes_target.csv.gz", None)
+    if x is None or y is None:
+        from sklearn.datasets import load_diabetes as _sklearn_diabetes
 
-    x, y = _sklearn_diabetes(return_X_y=True, scaled=False)
+        x, y = _sklearn_diabetes(return_X_y=True, scaled=False)
     train, test = stratified_split(value_bins(y, 10), test_fraction, np.random.default_rng(seed))
     mu, sd = x[train].mean(axis=0), x[train].std(axis=0)
     ymu, ysd = y[train].mean(), y[train].std()

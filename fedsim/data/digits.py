@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from fedsim.data.base import Dataset
+from fedsim.data.base import Dataset, sklearn_bundled
 from fedsim.errors import ConfigError
 
 __all__ = ["load_digits", "stratified_split"]
@@ -67,11 +67,14 @@ def load_digits(seed: int, test_fraction: float = 0.2) -> Dataset:
         ``x`` of shape ``(n, 1, 8, 8)`` in ``[0, 1]`` (raw pixel values 0..16 divided by 16), 10 classes,
         no groups.
     """
-    from sklearn.datasets import load_digits as _sklearn_digits
+    table = sklearn_bundled("digits.csv.gz")  # (n, 65): 64 pixels, then the label
+    if table is None:
+        from sklearn.datasets import load_digits as _sklearn_digits
 
-    bunch = _sklearn_digits()
-    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]  # (n, 1, 8, 8)
-    y = bunch.target.astype(np.int64)
+        bunch = _sklearn_digits()
+        table = np.column_stack([bunch.data, bunch.target])
+    x = (table[:, :64].astype(np.float32) / 16.0).reshape(-1, 1, 8, 8)  # (n, 1, 8, 8)
+    y = table[:, 64].astype(np.int64)
     train, test = stratified_split(y, test_fraction, np.random.default_rng(seed))
     return Dataset(
         name="digits",
