@@ -1,21 +1,31 @@
-"""Deployed rounds: per-round wall time of a 3-SuperNode loopback federation, and what one message costs.
+"""Deployed rounds: fedsim and a vanilla Flower app of the same size on one 3-SuperNode loopback federation.
 
-Runs ``python -m fedsim.deploy local --nodes 3`` (SuperLink, SuperExec and three SuperNodes on this machine,
-TLS off) for a few rounds of the default experiment, reads the run's ``metrics.jsonl`` and prints the time of
-each round next to what a SuperNode pays per message: Flower 1.42 starts a fresh ``flwr-clientapp`` process
-for every message, so each message pays the imports of the client's path and the data set again (measured
-here in fresh processes), and the synchronous ``send_and_receive`` and the idle SuperNodes poll every 3 s.
+One SuperLink (TLS off, loopback) and three SuperNodes stay up while the variants run in turn, repeats
+interleaved:
 
-    python bench/deploy.py                # 3 rounds, about 2 minutes on 2 cores
-    python bench/deploy.py --rounds 5
+- ``fedsim``: fedsim's App (the default experiment with ``num_clients=3``, every node each round); the
+  SuperNodes keep their partitions in a cache folder (``fedsim.deploy`` sets ``cache-dir``).
+- ``flower``: ``bench/vanilla_flower_deploy``, plain Flower FedAvg over the same MLP and data, written as a
+  Flower user would (the data set loaded in every ClientApp process, Flower's ``strategy.start``).
+- ``flower-noop``: the same App whose clients return the model unchanged without importing torch: what Flower
+  itself costs per round (a fresh ``flwr-clientapp`` process per message, the SuperNodes' 3 s idle poll,
+  ``send_and_receive``'s 3 s pull interval).
+- ``inprocess``: the same fedsim run in one process (``engine=inprocess``): the training itself.
 
-Not included yet: the same federation running a hand-written vanilla Flower app (issue 18, item 4).
+Per-round times are the gaps between consecutive evaluations of the global model (round 0 first), so both
+apps are timed the same way. The table gives round 1 (first messages: caches cold) and the median of the
+later rounds. Then what a fresh ``flwr-clientapp`` process pays before it trains, each line alone in a fresh
+interpreter.
+
+    python bench/deploy.py                      # 4 rounds, 1 repeat: about 3 minutes on 2 cores
+    python bench/deploy.py --rounds 6 --repeat 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -27,59 +37,137 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench
 
+NODES = 3
+FEDSIM_APP = HERE.parent
+VANILLA_APP = HERE / "vanilla_flower_deploy"
+VARIANTS = ("fedsim", "flower", "flower-noop", "inprocess")
+FEDSIM_OVERRIDES = [f"num_clients={NODES}", f"clients_per_round={NODES}"]
+
 # what a fresh flwr-clientapp process does before it trains, each in its own interpreter
+SPEC = "from fedsim import build; from fedsim.config import compose; "
+SPEC += f"s = build.client_spec(compose({', '.join(map(repr, FEDSIM_OVERRIDES))}), device='cpu'); "
 PER_MESSAGE = {
     "import torch + flwr.clientapp": "import torch, flwr.clientapp",
     "import fedsim.client_app": "import fedsim.client_app",
-    "digits data set (scikit-learn)": "from fedsim.data.digits import load_digits; load_digits(seed=0)",
-    "import torch, first torch.optim.SGD (torch._dynamo)": (
+    "fedsim client task, data set built": SPEC + "build.client_task(s, 1)",
+    "fedsim client task, read from the node's cache": SPEC + "build.client_task(s, 1, {cache!r})",
+    "first torch.optim.SGD (imports torch._dynamo)": (
         "import torch; torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)"
     ),
 }
 
 
-def fresh_process_seconds(code: str, repeat: int = 2) -> float:
-    """Median wall time of ``python -c code`` in a fresh interpreter, minus an empty interpreter's."""
+def fresh_process_seconds(code: str, base: str = "pass", repeat: int = 3) -> float:
+    """Median wall time of ``python -c code`` in a fresh interpreter, minus that of ``python -c base``."""
 
     def wall(src: str) -> float:
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", src], check=True, env=bench.ENV, capture_output=True)
         return time.perf_counter() - t0
 
-    empty = statistics.median(wall("pass") for _ in range(repeat))
-    return statistics.median(wall(code) for _ in range(repeat)) - empty
+    return statistics.median(wall(code) for _ in range(repeat)) - statistics.median(
+        wall(base) for _ in range(repeat)
+    )
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in zip(times, times[1:])]
+
+
+def run_fedsim(fed, out: Path, rounds: int, timeout: float) -> list[float]:
+    overrides = shlex.join([*FEDSIM_OVERRIDES, f"num_rounds={rounds}", "checkpoint_every=0"])
+    run_id = fed.submit(FEDSIM_APP, {"overrides": overrides, "out-dir": str(out)})
+    status = fed.wait_run(run_id, timeout, done=(out / "summary.json").exists)
+    if status["status"] != "finished:completed":
+        sys.exit(f"fedsim's run {run_id} ended {status}:\n{fed.run_log(run_id)[-3000:]}")
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return gaps([r["wall_time"] for r in recs if "eval_accuracy" in r])
+
+
+def run_vanilla(fed, times: Path, rounds: int, noop: bool, timeout: float) -> list[float]:
+    from fedsim.deploy.launch import CONNECTION
+
+    config = f"num-server-rounds={rounds} num-partitions={NODES} times-file={json.dumps(str(times))} "
+    config += f"noop={'true' if noop else 'false'}"  # TOML values, typed as the App declares them
+    run_id = int(fed.flwr("run", str(VANILLA_APP), CONNECTION, "--run-config", config)["run-id"])
+    status = fed.wait_run(run_id, timeout)
+    if status["status"] != "finished:completed":
+        sys.exit(f"the vanilla run {run_id} ended {status}:\n{fed.run_log(run_id)[-3000:]}")
+    return gaps([float(x) for x in times.read_text().split()])
+
+
+def run_inprocess(out: Path, rounds: int) -> list[float]:
+    over = [*FEDSIM_OVERRIDES, f"num_rounds={rounds}", "engine=inprocess", "checkpoint_every=0", "quiet=true"]
+    cmd = [sys.executable, "-m", "fedsim", *over, f"hydra.run.dir={out}"]
+    subprocess.run(cmd, check=True, env=bench.ENV, capture_output=True)
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return gaps([r["wall_time"] for r in recs if "eval_accuracy" in r])
 
 
 def main() -> None:
+    from fedsim.deploy.launch import Federation, Security
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
+    variants = args.variants.split(",")
     before = bench.machine_line()
+    rows: dict[str, list[list[float]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        out, work = Path(tmp) / "run", Path(tmp) / "work"
-        cmd = [sys.executable, "-m", "fedsim.deploy", "local", "--nodes", "3", "--out-dir", str(out)]
-        cmd += ["--workdir", str(work), "--overrides", f"num_rounds={args.rounds}"]
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=bench.ENV, capture_output=True, text=True, timeout=args.timeout)
-        wall = time.perf_counter() - t0
-        if proc.returncode != 0:
-            sys.exit(f"fedsim.deploy local failed:\n{proc.stderr[-2000:]}")
-        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    rounds = [r["round_time"] for r in recs if r["round"] > 0]
-    print(
-        f"\nfedsim deployed, 3 local SuperNodes, {args.rounds} rounds; before: {before}; after: {bench.machine_line()}"
-    )
-    print(
-        f"  wall {wall:.1f} s (start-up and shutdown included); round times: {', '.join(f'{x:.1f}' for x in rounds)} s"
-    )
-    print(f"  median round {statistics.median(rounds):.1f} s; final accuracy {recs[-1].get('eval_accuracy')}")
-    print(
-        "per message, a fresh flwr-clientapp process pays (each line alone in a fresh interpreter; they overlap):"
-    )
-    for name, code in PER_MESSAGE.items():
-        print(f"  {name:<48}{fresh_process_seconds(code):6.2f} s")
-    print("plus Flower's polling: send_and_receive and idle SuperNodes poll every 3 s (Flower 1.42).")
+        tmp = Path(tmp)
+        cache = tmp / "partition-cache"
+        with Federation(tmp / "work", Security(tls=False, auth=False), echo=lambda _: None) as fed:
+            fed.start_superlink()
+            for i in range(NODES):
+                fed.start_supernode(i, NODES, cache_dir=str(cache))
+            fed.wait_nodes_online(NODES)
+            for rep in range(args.repeat):
+                for v in variants:
+                    where = tmp / f"{v}-{rep}"
+                    if v == "fedsim":
+                        got = run_fedsim(fed, where, args.rounds, args.timeout)
+                    elif v == "inprocess":
+                        got = run_inprocess(where, args.rounds)
+                    else:
+                        got = run_vanilla(fed, where, args.rounds, v == "flower-noop", args.timeout)
+                    rows[v].append(got)
+                    print(
+                        f"# {v}, repeat {rep + 1}: rounds {', '.join(f'{x:.2f}' for x in got)} s", flush=True
+                    )
+        print(
+            f"\n{NODES} local SuperNodes, {args.rounds} rounds x {args.repeat}; before: {before}; "
+            f"after: {bench.machine_line()}"
+        )
+        print(f"{'variant':<14}{'round 1 s':>10}{'later rounds s (median)':>26}")
+        later = {}
+        for v, runs in rows.items():
+            first = statistics.median(r[0] for r in runs)
+            later[v] = statistics.median(x for r in runs for x in r[1:])
+            print(f"{v:<14}{first:>10.2f}{later[v]:>26.2f}")
+        if "fedsim" in later and "inprocess" in later:
+            over = later["fedsim"] - later["inprocess"]
+            print(
+                f"fedsim's deployed round above the training itself: {over:.2f} s (goal <= 3 s: "
+                f"{'met' if over <= 3 else 'not met'})"
+            )
+        if "fedsim" in later and "flower" in later:
+            print(f"vanilla Flower / fedsim per deployed round: {later['flower'] / later['fedsim']:.2f}")
+        if "flower-noop" in later:
+            print(
+                f"Flower itself (clients return the model, no torch): {later['flower-noop']:.2f} s per round"
+            )
+        print(
+            "per message, a fresh flwr-clientapp process pays (each alone in a fresh interpreter; "
+            "the task lines exclude fedsim's imports):"
+        )
+        base = SPEC.rstrip("; ")
+        for name, code in PER_MESSAGE.items():
+            code = code.format(cache=str(cache))
+            secs = fresh_process_seconds(code, base if code.startswith(SPEC) else "pass")
+            print(f"  {name:<50}{secs:6.2f} s")
 
 
 if __name__ == "__main__":

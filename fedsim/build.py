@@ -196,15 +196,13 @@ def build_dataset(spec: dict) -> Dataset:
 
 
 @functools.lru_cache(maxsize=4)
-def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    from fedsim.data.partition import split_train_val
-
+def _shares(spec_key: str) -> list[np.ndarray]:
     spec = json.loads(spec_key)
     ds = build_dataset(spec)
     fn = _instantiate("partitioner", OmegaConf.create(spec["partitioner"]))
     rng = seeded_rng(int(spec["seed"]), Purpose.PARTITION)
     try:
-        parts = fn(ds.partition_labels(), int(spec["num_clients"]), rng, groups=ds.groups)
+        return fn(ds.partition_labels(), int(spec["num_clients"]), rng, groups=ds.groups)
     except ConfigError as e:
         raise (e if e.key == "num_clients" else e.with_prefix("partitioner")) from None
     except TypeError as e:  # a partial (`_partial_: true`) gets its keys only when called
@@ -218,20 +216,43 @@ def _partitions(spec_key: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
             spec["partitioner"].get(m.group(1)),
             f"a parameter of {target.rsplit('.', 1)[-1]}: {', '.join(params)}",
         ) from None
-    train, val = [], []
-    for pid, idx in enumerate(parts):
-        t, v = split_train_val(
-            idx, float(spec["val_fraction"]), seeded_rng(int(spec["seed"]), Purpose.TRAIN_VAL_SPLIT, pid)
-        )
-        train.append(t)
-        val.append(v)
-    return train, val
 
 
-def build_partitions(spec: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Per-client (train, val) index arrays for a spec, built once per process."""
-    keys = ("seed", "num_clients", "val_fraction", "dataset", "partitioner")
-    return _partitions(json.dumps({k: spec[k] for k in keys}, sort_keys=True))
+@functools.lru_cache(maxsize=4)
+def _splits(spec_key: str):
+    from fedsim.data.partition import ClientSplits
+
+    spec = json.loads(spec_key)
+    seed = int(spec["seed"])
+    return ClientSplits(
+        _shares(_partition_key(spec, split=False)),
+        float(spec["val_fraction"]),
+        lambda pid: seeded_rng(seed, Purpose.TRAIN_VAL_SPLIT, pid),
+    )
+
+
+def _partition_key(spec: dict, split: bool = True) -> str:
+    keys = ("seed", "num_clients", "dataset", "partitioner") + (("val_fraction",) if split else ())
+    return json.dumps({k: spec[k] for k in keys}, sort_keys=True)
+
+
+def build_shares(spec: dict) -> list[np.ndarray]:
+    """Every client's share of the training set (the partitioner's output), built once per process."""
+    return _shares(_partition_key(spec, split=False))
+
+
+def build_splits(spec: dict):
+    """Every client's (train, val) split (:class:`~fedsim.data.partition.ClientSplits`), once per process.
+
+    Clients are split when first used; ``build_splits(spec).sizes()`` are the training sizes of all.
+    """
+    return _splits(_partition_key(spec))
+
+
+def build_partitions(spec: dict) -> tuple:
+    """Per-client (train, val) index arrays for a spec: two read-only lists, each client split on access."""
+    splits = build_splits(spec)
+    return splits.train, splits.val
 
 
 @functools.lru_cache(maxsize=8)
@@ -305,8 +326,12 @@ def model_factory(spec: dict):
 def build_initial_model(spec: dict) -> torch.nn.Module:
     """The global model at round 0, initialised from the run's seed."""
     ds = build_dataset(spec)
+    return _initial_model(spec, tuple(ds.input_shape), int(ds.num_classes))
+
+
+def _initial_model(spec: dict, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
     try:
-        return build_model(model_factory(spec), ds.input_shape, ds.num_classes, seed=int(spec["seed"]))
+        return build_model(model_factory(spec), input_shape, num_classes, seed=int(spec["seed"]))
     except ConfigError as e:
         raise e.with_prefix("model") from None
 
@@ -412,6 +437,7 @@ class ClientTask:
     faults: FaultRates | None = None
     algorithm: Any = None  # the client algorithm (fedsim.algorithms); None: built from the spec when needed
     task: Any = None  # the loss and metric (fedsim.tasks); None: classification
+    num_classes: int | None = None  # the model's outputs (None: ask the run's data set)
 
 
 def fault_rates(spec: dict) -> FaultRates | None:
@@ -431,42 +457,61 @@ def release_client_tasks() -> None:
         torch.cuda.empty_cache()
 
 
-@functools.lru_cache(maxsize=4096)
-def client_task(spec_json: str, partition_id: int) -> ClientTask:
-    """Build and cache one client's task; the model object is shared by all clients of a worker."""
-    spec = json.loads(spec_json)
-    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
-    set_numerics(bool(spec.get("deterministic", False)))
-    device = resolve_device(spec["device"], partition_id=partition_id)
+def _client_partition(spec: dict, partition_id: int, cache_dir: str | None):
+    """Client ``partition_id``'s arrays, from the node's disk cache when ``cache_dir`` is set."""
+    from fedsim import partition_cache
+
+    path = partition_cache.cache_file(cache_dir, spec, partition_id) if cache_dir else None
+    part = partition_cache.load(path) if path is not None else None
+    if part is not None:
+        return part
     ds = build_dataset(spec)
     train, val = build_partitions(spec)
     if not 0 <= partition_id < len(train):
         raise ConfigError("partition-id", partition_id, f"an integer in [0, {len(train)})")
+    t, v = train[partition_id], val[partition_id]
+    part = partition_cache.Partition(
+        tuple(ds.input_shape),
+        int(ds.num_classes),
+        np.asarray(ds.x_train[t]),
+        np.asarray(ds.y_train[t]),
+        np.asarray(ds.x_train[v]),
+        np.asarray(ds.y_train[v]),
+    )
+    if path is not None:
+        partition_cache.save(path, part)
+    return part
+
+
+@functools.lru_cache(maxsize=4096)
+def client_task(spec_json: str, partition_id: int, cache_dir: str | None = None) -> ClientTask:
+    """Build and cache one client's task; the model object is shared by all clients of a worker.
+
+    ``cache_dir``: a deployed node's partition cache (:mod:`fedsim.partition_cache`); a fresh process then
+    reads its share from one file instead of building the data set.
+    """
+    spec = json.loads(spec_json)
+    torch.set_num_threads(max(1, int(spec.get("threads", 1))))
+    set_numerics(bool(spec.get("deterministic", False)))
+    device = resolve_device(spec["device"], partition_id=partition_id)
+    part = _client_partition(spec, partition_id, cache_dir)
     mkey = (json.dumps(spec["model"], sort_keys=True) + json.dumps(spec["dataset"], sort_keys=True), device)
     if mkey not in _MODELS:
-        _MODELS[mkey] = build_initial_model(spec).to(device)
-    t, v = train[partition_id], val[partition_id]
-
-    def tensors(idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            torch.as_tensor(ds.x_train[idx], device=device),
-            torch.as_tensor(ds.y_train[idx], device=device),
-        )
-
-    (xt, yt), (xv, yv) = tensors(t), tensors(v)
+        _MODELS[mkey] = _initial_model(spec, part.input_shape, part.num_classes).to(device)
     return ClientTask(
         partition_id,
         _MODELS[mkey],
-        xt,
-        yt,
-        xv,
-        yv,
+        torch.as_tensor(part.x_train, device=device),
+        torch.as_tensor(part.y_train, device=device),
+        torch.as_tensor(part.x_val, device=device),
+        torch.as_tensor(part.y_val, device=device),
         local_training(spec),
         int(spec["seed"]),
         device,
         fault_rates(spec),
         client_algorithm(spec),
         build_task(spec),
+        num_classes=part.num_classes,
     )
 
 

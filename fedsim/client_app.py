@@ -92,7 +92,8 @@ def _task(msg: Message, context: Context) -> ClientTask:
     data_dir = context.node_config.get(keys.NODE_DATA_DIR)
     if data_dir:
         return node_task(spec, str(data_dir), partition_id)
-    return client_task(spec, partition_id)
+    cache_dir = context.node_config.get(keys.NODE_CACHE_DIR)  # a deployed node's partition cache
+    return client_task(spec, partition_id, str(cache_dir) if cache_dir else None)
 
 
 def _load(task: ClientTask, arrays: ArrayRecord) -> None:
@@ -213,7 +214,8 @@ def _labels(task: ClientTask, ins) -> torch.Tensor:
     """The training labels: flipped (``C - 1 - y``) when ``attack=label_flip`` names this client an attacker."""
     if task.partition_id not in (ins.unhandled.get(attacks.LABEL_FLIP) or ()):
         return task.y_train
-    return attacks.flip_labels(task.y_train, build_dataset(json.loads(ins.spec)).num_classes)
+    classes = task.num_classes or build_dataset(json.loads(ins.spec)).num_classes
+    return attacks.flip_labels(task.y_train, classes)
 
 
 def _eval_split(task: ClientTask, cfg: ConfigRecord) -> tuple[torch.Tensor, torch.Tensor]:

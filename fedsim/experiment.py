@@ -43,7 +43,7 @@ class Experiment:
     engine: EngineSettings
     loop: LoopConfig
     dataset: Dataset
-    train_partitions: list[np.ndarray]
+    client_shares: list[np.ndarray]  # the partitioner's output, one index array per client
     strategy: Any
     clock: Heterogeneity
     initial_model: torch.nn.Module
@@ -71,7 +71,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     build.check_task(task, ds, ds.name)
     validate_targets(cfg, task)
     check_objective(cfg, task)
-    train, _ = build.build_partitions(spec)
+    build.build_splits(spec)  # partitions and checks val_fraction; clients are split when first sampled
     m = clients_per_round(cfg)
     strategy = build.build_strategy(cfg, m)
     build.bind_client_algorithm(spec, strategy)  # the strategy's client half, or a refusal naming the pair
@@ -116,7 +116,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
         engine=engine,
         loop=loop,
         dataset=ds,
-        train_partitions=train,
+        client_shares=build.build_shares(spec),
         strategy=strategy,
         clock=clock,
         initial_model=model,

@@ -103,16 +103,27 @@ class StoppableView(GridView):
         return self._grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages, *, timeout=None):
-        ids = set(self.push_messages(list(messages)))
-        end = None if timeout is None else time.monotonic() + timeout
-        replies: list[Message] = []
-        while ids and (end is None or time.monotonic() < end):
-            got = list(self.pull_messages(list(ids)))
-            replies += got
-            ids -= {r.metadata.reply_to_message_id for r in got}
-            if ids:
-                time.sleep(self._poll)
-        return replies
+        return push_and_pull(self, messages, timeout, self._poll)
+
+
+def push_and_pull(grid: Grid, messages, timeout: float | None, poll: float) -> list[Message]:
+    """``send_and_receive`` with replies pulled every ``poll`` seconds.
+
+    Flower's deployed Grid sleeps 3 s between pulls (``GrpcGrid.send_and_receive`` in Flower 1.42), so a reply
+    that arrives just after a pull waits up to 3 s; fedsim's ServerApp pulls every 0.1 s instead (one cheap
+    call to the SuperLink; the replies are fetched once they are there). Stops at ``timeout`` seconds with the
+    replies so far, as Flower's does.
+    """
+    ids = set(grid.push_messages(list(messages)))
+    end = None if timeout is None else time.monotonic() + timeout
+    replies: list[Message] = []
+    while ids and (end is None or time.monotonic() < end):
+        got = list(grid.pull_messages(list(ids)))
+        replies += got
+        ids -= {r.metadata.reply_to_message_id for r in got}
+        if ids:
+            time.sleep(poll)
+    return replies
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:

@@ -37,6 +37,7 @@ AGG_NOISY_UNCLIPPED_FRACTION = "noisy-unclipped-fraction"  # DP adaptive clippin
 NODE_PARTITION_ID = "partition-id"
 NODE_NUM_PARTITIONS = "num-partitions"
 NODE_DATA_DIR = "data-dir"
+NODE_CACHE_DIR = "cache-dir"  # deployment: where a node keeps its partition (fedsim.partition_cache)
 NODE_STATE_DIR = "state-dir"  # simulation: the run folder's client_state/ (per-client persistent state)
 
 

@@ -193,7 +193,7 @@ class Run:
             self.callbacks.start(out_dir, exp.resolved, list(records))
             ds = exp.dataset  # real-valued targets are counted by decile
             bins = ds.num_classes if ds.targets == "classes" else 10
-            write_partition_stats(out_dir, exp.train_partitions, ds.partition_labels(bins), bins)
+            write_partition_stats(out_dir, exp.client_shares, ds.partition_labels(bins), bins)
         except BaseException:
             if hasattr(self, "recorder"):
                 self.recorder.close()
@@ -439,12 +439,13 @@ def versions() -> dict:
 
 
 def write_partition_stats(
-    out_dir: Path, train: list[np.ndarray], labels: np.ndarray, num_classes: int
+    out_dir: Path, shares: list[np.ndarray], labels: np.ndarray, num_classes: int
 ) -> None:
-    """partitions.json and partitions.png: size and label histogram per client."""
+    """partitions.json and partitions.png: size and label histogram of each client's share (before its
+    train/validation split, which is made only for the clients a run samples)."""
     from fedsim.data.stats import partition_stats, plot_partitions
 
-    stats = partition_stats(train, labels, num_classes)
+    stats = partition_stats(shares, labels, num_classes)
     atomic_write_bytes(out_dir / "partitions.json", (json.dumps(stats) + "\n").encode())
     try:
         plot_partitions(stats, out_dir / "partitions.png")

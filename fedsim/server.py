@@ -20,7 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 
 from fedsim import checkpoint, comm, keys, schema
-from fedsim.build import build_partitions, local_training
+from fedsim.build import build_splits, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
 from fedsim.grid_utils import (
@@ -64,8 +64,8 @@ def connect_sizes(grid: Grid, loop: LoopConfig, spec: str) -> tuple[dict[int, in
         partition_of is not None
     ):  # a local engine knows its nodes: ask one (to surface a broken client), not all
         first = discover(grid, nodes[:1], spec, loop.node_timeout)
-        train, _ = build_partitions(json.loads(spec))
-        found = {partition_of(n): (n, len(train[partition_of(n)])) for n in nodes}
+        sizes = build_splits(json.loads(spec)).sizes()
+        found = {partition_of(n): (n, int(sizes[partition_of(n)])) for n in nodes}
         if any(found.get(pid) != got for pid, got in first.items()):
             raise RunError(f"node {nodes[0]} reports partition {first} but the grid maps it differently")
     else:  # deployment: every node reports its partition; a refused claim leaves it to a node joining later

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, open_dict
 from fedsim import keys
 from fedsim.config import compose
 from fedsim.errors import ConfigError
-from fedsim.grid_utils import GridView
+from fedsim.grid_utils import GridView, push_and_pull
 
 OVERRIDES = "overrides"  # run_config key: Hydra overrides, one string
 OUT_DIR = "out-dir"  # run_config key: the run folder ("" = outputs/deploy-<timestamp>)
@@ -112,6 +112,9 @@ def compose_config(overrides: list[str]) -> tuple[DictConfig, dict]:
     return cfg, choices
 
 
+REPLY_POLL = 0.1  # seconds between pulls while the server waits for replies (Flower's own Grid: 3 s)
+
+
 class ReplyLog(GridView):
     """The SuperLink's Grid, forwarding every call, that writes one ``replies.jsonl`` line per reply."""
 
@@ -172,10 +175,7 @@ class ReplyLog(GridView):
         return self._record(self._grid.pull_messages(message_ids))
 
     def send_and_receive(self, messages, *, timeout=None):
-        messages = list(messages)
-        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
-        self._remember(messages)
-        return self._record(replies)
+        return push_and_pull(self, messages, timeout, REPLY_POLL)  # through push/pull: each is recorded
 
 
 def default_out_dir(now: float | None = None) -> Path:

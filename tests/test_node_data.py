@@ -151,3 +151,80 @@ def test_bad_node_is_an_error_reply_the_server_reports(spec, node_config, match)
         connect_sizes(grid, loop, spec)
     first = str(err.value).splitlines()[0]
     assert re.search(match, first) and "--node-config" in first  # the node's own words, not a traceback
+
+
+def _fresh_task(spec: str, cache: str) -> dict:
+    """client_task in a fresh interpreter (as in a new flwr-clientapp process): its arrays' digest and imports."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hashlib, json, sys\n"
+        "from fedsim import build\n"
+        f"t = build.client_task({spec!r}, 1, {cache!r})\n"
+        "h = hashlib.sha256(b''.join(a.numpy().tobytes() for a in (t.x_train, t.y_train, t.x_val, t.y_val)))\n"
+        "print(json.dumps({'digest': h.hexdigest(), 'data_module': 'fedsim.data.digits' in sys.modules,\n"
+        "                  'classes': t.num_classes, 'params': sum(p.numel() for p in t.model.parameters())}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _digest(task) -> str:
+    import hashlib
+
+    arrays = (task.x_train, task.y_train, task.x_val, task.y_val)
+    return hashlib.sha256(b"".join(a.numpy().tobytes() for a in arrays)).hexdigest()
+
+
+def test_partition_cache_serves_a_fresh_process_without_building_the_data_set(tmp_path, spec):
+    """What a deployed node's next message gets: the same arrays and model, read from one file."""
+    from fedsim import client_app
+
+    cache = tmp_path / "cache"
+    ctx = _context({"partition-id": 1, "num-partitions": 3, keys.NODE_CACHE_DIR: str(cache)})
+    with server_identity():
+        q = client_app.query(_message(spec, MessageType.QUERY), ctx)  # the first message writes the file
+    files = list(cache.glob("partition-1-*.npz"))
+    assert len(files) == 1 and not list(cache.glob(".tmp-*"))
+    built = build.client_task(spec, 1)  # no cache: from the data set
+    got = _fresh_task(spec, str(cache))
+    assert got["digest"] == _digest(built) and not got["data_module"]  # read, not rebuilt
+    assert got["classes"] == 10 and got["params"] == sum(p.numel() for p in built.model.parameters())
+    assert q.content[keys.METRICS][keys.NUM_EXAMPLES] == len(built.y_train)
+    # another run's partition is another file; the first one is left alone
+    other = build.client_spec(compose_cfg(*SPEC_OVERRIDES, "seed=5"), device="cpu")
+    assert _digest(build.client_task(other, 1, str(cache))) != _digest(built)
+    assert len(list(cache.glob("partition-1-*.npz"))) == 2
+
+
+def test_a_broken_or_unwritable_partition_cache_costs_only_speed(tmp_path, spec, caplog):
+    from fedsim import partition_cache
+
+    want = _digest(build.client_task(spec, 2))
+    cache = tmp_path / "cache"
+    build.client_task(spec, 2, str(cache))
+    (path,) = cache.glob("partition-2-*.npz")
+    path.write_bytes(path.read_bytes()[:100])  # truncated, e.g. by a full disk in an older version
+    build.client_task.cache_clear()
+    assert _digest(build.client_task(spec, 2, str(cache))) == want
+    assert "unreadable partition cache" in caplog.text
+    assert partition_cache.load(path) is not None  # rewritten whole
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    build.client_task.cache_clear()
+    assert _digest(build.client_task(spec, 2, str(blocker / "cache"))) == want
+    assert "partition cache not written" in caplog.text
+
+
+def test_deploy_passes_the_cache_folder_in_a_node_config_flower_parses(tmp_path):
+    from flwr.common.config import parse_config_args
+
+    from fedsim.deploy.__main__ import cache_folder
+    from fedsim.deploy.launch import node_config
+
+    where = tmp_path / "a b"
+    text = node_config(1, 3, cache_dir=cache_folder(str(where), None))
+    assert parse_config_args([text]) == {"partition-id": 1, "num-partitions": 3, "cache-dir": str(where)}
+    assert cache_folder("none", tmp_path) is None and cache_folder(None, tmp_path) == str(tmp_path)
+    assert node_config(0, 2) == "partition-id=0 num-partitions=2"

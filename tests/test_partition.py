@@ -266,6 +266,34 @@ def test_split_train_val():
             P.split_train_val(idx, bad, np.random.default_rng(0))
 
 
+@pytest.mark.parametrize("frac", [0.0, 0.1, 0.3, 0.7, 0.99])
+def test_lazy_client_splits_equal_eager_ones_and_split_only_what_is_used(frac):
+    parts = P.dirichlet(LABELS, 40, np.random.default_rng(1), alpha=0.3)
+    parts[3] = parts[3][:1]  # a one-example client: never empty training
+    splits = P.ClientSplits(parts, frac, lambda k: np.random.default_rng([7, k]))
+    assert splits._done == {}
+    eager = [P.split_train_val(p, frac, np.random.default_rng([7, k])) for k, p in enumerate(parts)]
+    assert splits.sizes("train").tolist() == [t.size for t, _ in eager]  # sizes need no split
+    assert splits.sizes("val").tolist() == [v.size for _, v in eager]
+    assert set(splits._done) == set()
+    for k in (5, 3, 39):
+        assert np.array_equal(splits.train[k], eager[k][0]) and np.array_equal(splits.val[k], eager[k][1])
+    assert set(splits._done) == {5, 3, 39}
+    assert np.array_equal(splits.train[-1], eager[-1][0]) and len(splits.val) == 40
+    assert [v.tolist() for v in splits.val[2:4]] == [eager[2][1].tolist(), eager[3][1].tolist()]
+    assert all(np.array_equal(t, e[0]) for t, e in zip(splits.train, eager, strict=True))
+    with pytest.raises(IndexError):
+        splits.train[40]
+
+
+def test_lazy_client_splits_refuse_bad_input_up_front():
+    rng_of = lambda k: np.random.default_rng(k)
+    with pytest.raises(ConfigError, match="val_fraction"):
+        P.ClientSplits([np.arange(3)], 1.0, rng_of)
+    with pytest.raises(ConfigError, match="at least one index"):
+        P.ClientSplits([np.arange(3), np.array([], dtype=np.int64)], 0.1, rng_of)
+
+
 def test_stats_and_plot(tmp_path):
     parts = P.shards(LABELS, 50, np.random.default_rng(0), shards_per_client=2)
     stats = partition_stats(parts, LABELS, 10)

@@ -122,14 +122,25 @@ def test_a_folder_held_by_a_live_process_is_refused(tmp_path):
 
 
 def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path, monkeypatch):
+    import datetime
+
+    import hydra.core.utils
+
     from fedsim import cli
 
+    class Frozen(datetime.datetime):  # both calls in one second, whatever the clock does
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+
+    monkeypatch.setattr(hydra.core.utils, "datetime", Frozen)  # what Hydra's ${now:...} resolver calls
     monkeypatch.chdir(tmp_path)
     first = cli.prepare_folders(["seed=1"])
     second = cli.prepare_folders(["seed=1"])  # the same ${now:...} value: a suffix
     try:
         a, b = (Path(x.split("=", 1)[1]) for x in (first[0], second[0]))
         assert a != b and b.name == a.name + "-1" and a.is_dir() and b.is_dir()
+        assert "03-04-05" in str(a)
     finally:
         for x in (first, second):
             unlock_run_folder(Path(x[0].split("=", 1)[1]))

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import TINY, compose_cfg, read_metrics, run_tiny
 
-from fedsim import schema
+from fedsim import build, schema
 from fedsim.data.base import value_bins
 from fedsim.errors import ConfigError
 from fedsim.tasks import Classification, Regression, Task
@@ -92,7 +92,7 @@ def test_federated_regression_equals_centralised_gradient_descent(tmp_path):
     over += ["clients_per_round=8", f"num_rounds={rounds}", "quiet=true", "engine=inprocess"]
     cfg = compose_cfg(*over)
     exp = build_experiment(cfg)
-    idx = np.concatenate(exp.train_partitions)
+    idx = np.concatenate(list(build.build_partitions(json.loads(exp.spec_json))[0]))  # training parts
     x = exp.dataset.x_train[idx].astype(np.float64)
     y = exp.dataset.y_train[idx].astype(np.float64)
     w0 = {k: v.double().numpy() for k, v in exp.initial_model.state_dict().items()}

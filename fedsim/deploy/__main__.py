@@ -94,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         "--data-dir", help="per-node data folder; {i} becomes the partition id, e.g. data/node{i}"
     )
     loc.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where the SuperNodes keep their partitions between messages (default WORKDIR/partition-cache; "
+        "'none': rebuild the data set for every message)",
+    )
+    loc.add_argument(
         "--app",
         type=Path,
         default=None,
@@ -159,6 +165,12 @@ def _parser() -> argparse.ArgumentParser:
     n.add_argument("--insecure", action="store_true", help="no TLS (and so no node authentication)")
     n.add_argument("--data-dir", help="this node's own data folder (train.npz, optional val.npz)")
     n.add_argument(
+        "--cache-dir",
+        default=DEFAULT_NODE_CACHE,
+        help=f"where this node keeps its partition between messages (default {DEFAULT_NODE_CACHE}; "
+        "'none': rebuild the data set for every message)",
+    )
+    n.add_argument(
         "--port", type=int, default=9094, help="this SuperNode's own Runtime API port (default 9094)"
     )
     n.add_argument(
@@ -179,6 +191,17 @@ def _front_args(p: argparse.ArgumentParser) -> None:
         help="what listens on the public address: nginx, fedsim's Python fallback, or auto (nginx if "
         "installed); 'none' exposes the SuperLink itself, Control API included (not recommended)",
     )
+
+
+DEFAULT_NODE_CACHE = "~/.cache/fedsim/partitions"
+
+
+def cache_folder(arg: str | None, default: Path | None) -> str | None:
+    """The absolute ``cache-dir`` of a SuperNode's config, or ``None`` for ``--cache-dir none``."""
+    if arg is not None and arg.strip().lower() in ("", "none"):
+        return None
+    where = Path(arg).expanduser() if arg is not None else default
+    return str(where.resolve()) if where is not None else None
 
 
 def default_overrides(nodes: int, overrides: str) -> list[str]:
@@ -217,7 +240,12 @@ def run_local(args: argparse.Namespace) -> int:
                 fed.register(i)
         for i in range(args.nodes):
             data_dir = args.data_dir.format(i=i) if args.data_dir else None
-            fed.start_supernode(i, args.nodes, data_dir=str(Path(data_dir).resolve()) if data_dir else None)
+            fed.start_supernode(
+                i,
+                args.nodes,
+                data_dir=str(Path(data_dir).resolve()) if data_dir else None,
+                cache_dir=cache_folder(args.cache_dir, workdir / "partition-cache"),
+            )
         print(f"# {args.nodes} SuperNodes online after {fed.wait_nodes_online(args.nodes):.1f} s")
         run_id = fed.submit(app, {"overrides": overrides, "out-dir": str(out_dir.resolve())})
         status = fed.wait_run(run_id, args.timeout, stream=True)
@@ -331,6 +359,7 @@ def run_supernode(args: argparse.Namespace) -> int:
         key=args.key,
         data_dir=data_dir,
         ca=args.root_certificates,
+        cache_dir=cache_folder(args.cache_dir, None),
     )
     print("$ " + shlex.join(cmd), flush=True)
     if args.dry_run:

@@ -196,11 +196,18 @@ def loopback_name(cert: Path) -> str:
     return "localhost" if "localhost" in dns else dns[0]
 
 
-def node_config(partition_id: int, num_partitions: int, data_dir: str | None = None) -> str:
-    """The ``--node-config`` string of a SuperNode (``data-dir`` quoted as TOML requires)."""
+def node_config(
+    partition_id: int, num_partitions: int, data_dir: str | None = None, cache_dir: str | None = None
+) -> str:
+    """The ``--node-config`` string of a SuperNode (paths quoted as TOML requires).
+
+    ``cache-dir``: where the node keeps its partition between messages (``fedsim.partition_cache``).
+    """
     text = f"partition-id={partition_id} num-partitions={num_partitions}"
     if data_dir:
         text += f" data-dir={json.dumps(str(data_dir))}"
+    if cache_dir:
+        text += f" cache-dir={json.dumps(str(cache_dir))}"
     return text
 
 
@@ -214,6 +221,7 @@ def supernode_command(
     data_dir: str | None = None,
     max_wait_time: float | None = None,
     ca: Path | None = None,
+    cache_dir: str | None = None,
 ) -> list[str]:
     """``flower-supernode`` for one node; ``port`` is its own Runtime API port (unique per host).
 
@@ -225,7 +233,8 @@ def supernode_command(
         cmd += ["--auth-supernode-private-key", str(key if key is not None else sec.node_key(partition_id))]
     if max_wait_time:
         cmd += ["--max-wait-time", f"{max_wait_time:g}"]
-    return cmd + ["--port", str(port), "--node-config", node_config(partition_id, num_partitions, data_dir)]
+    config = node_config(partition_id, num_partitions, data_dir, cache_dir)
+    return cmd + ["--port", str(port), "--node-config", config]
 
 
 def check_node(
@@ -612,6 +621,7 @@ class Federation:
         key: Path | None = None,
         name: str | None = None,
         max_wait_time: float | None = None,
+        cache_dir: str | None = None,
     ) -> subprocess.Popen:
         """Start one SuperNode for ``partition_id`` (its own Runtime API port is picked free)."""
         cmd = supernode_command(
@@ -623,6 +633,7 @@ class Federation:
             key=key,
             data_dir=data_dir,
             max_wait_time=max_wait_time,
+            cache_dir=cache_dir,
         )
         return self.spawn(name or f"supernode{partition_id}", cmd, cwd=self.cwd)
 

@@ -172,10 +172,9 @@ def _stop(workers: list[_Worker], grace: float = 3.0) -> None:
 @functools.lru_cache(maxsize=4)
 def _partition_sizes(spec: str) -> tuple[int, ...]:
     """Training-set size of every partition of a run spec (from the cached partition table)."""
-    from fedsim.build import build_partitions
+    from fedsim.build import build_splits
 
-    train, _ = build_partitions(json.loads(spec))
-    return tuple(len(t) for t in train)
+    return tuple(build_splits(json.loads(spec)).sizes().tolist())
 
 
 class PoolGrid(Grid):
