@@ -1,24 +1,27 @@
-"""Deployed rounds: fedsim and a vanilla Flower app of the same size on one 3-SuperNode loopback federation.
+"""Deployed rounds: fedsim and a vanilla Flower app of the same size on 3-SuperNode loopback federations.
 
-One SuperLink (TLS off, loopback) and three SuperNodes stay up while the variants run in turn, repeats
-interleaved:
+Two federations in turn, each one SuperLink (TLS off, loopback) and three SuperNodes that stay up while the
+variants run (repeats interleaved):
 
-- ``fedsim``: fedsim's App (the default experiment with ``num_clients=3``, every node each round); the
-  SuperNodes keep their partitions in a cache folder (``fedsim.deploy`` sets ``cache-dir``).
-- ``flower``: ``bench/vanilla_flower_deploy``, plain Flower FedAvg over the same MLP and data, written as a
-  Flower user would (the data set loaded in every ClientApp process, Flower's ``strategy.start``).
-- ``flower-noop``: the same App whose clients return the model unchanged without importing torch: what Flower
-  itself costs per round (a fresh ``flwr-clientapp`` process per message, the SuperNodes' 3 s idle poll,
-  ``send_and_receive``'s 3 s pull interval).
-- ``inprocess``: the same fedsim run in one process (``engine=inprocess``): the training itself.
+- ``warm`` nodes: each SuperNode's ClientApp processes are forked from a process that has imported torch
+  (``fedsim.deploy.warm``, the default of ``python -m fedsim.deploy``);
+- ``stock`` nodes: Flower's own SuperExec, a fresh ``flwr-clientapp`` interpreter per message
+  (``--no-warm``).
+
+On each: ``fedsim`` (fedsim's App, the default experiment with ``num_clients=3``, every node each round; the
+nodes keep their partitions in a cache folder), ``flower`` (``bench/vanilla_flower_deploy``: plain Flower
+FedAvg over the same MLP and data, written as a Flower user would: the data set loaded in every ClientApp
+process, Flower's ``strategy.start``) and ``flower-noop`` (the same App, its clients return the model
+unchanged without importing torch: what Flower itself costs per round: the SuperNodes' 3 s idle poll and
+``send_and_receive``'s 3 s pull interval, plus the process per message). ``inprocess`` is the same fedsim
+run in one process: the training itself.
 
 Per-round times are the gaps between consecutive evaluations of the global model (round 0 first), so both
 apps are timed the same way. The table gives round 1 (first messages: caches cold) and the median of the
-later rounds. Then what a fresh ``flwr-clientapp`` process pays before it trains, each line alone in a fresh
-interpreter.
+later rounds, then what a fresh ``flwr-clientapp`` process pays before it trains on a stock node.
 
-    python bench/deploy.py                      # 4 rounds, 1 repeat: about 3 minutes on 2 cores
-    python bench/deploy.py --rounds 6 --repeat 2
+    python bench/deploy.py                      # 4 rounds, 1 repeat: about 4 minutes on 2 cores
+    python bench/deploy.py --rounds 6 --repeat 2 --nodes warm
 """
 
 from __future__ import annotations
@@ -111,57 +114,66 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--nodes", default="warm,stock", help="SuperNode kinds, each a federation of its own")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     variants = args.variants.split(",")
     before = bench.machine_line()
-    rows: dict[str, list[list[float]]] = {v: [] for v in variants}
+    rows: dict[str, list[list[float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cache = tmp / "partition-cache"
-        with Federation(tmp / "work", Security(tls=False, auth=False), echo=lambda _: None) as fed:
-            fed.start_superlink()
-            for i in range(NODES):
-                fed.start_supernode(i, NODES, cache_dir=str(cache))
-            fed.wait_nodes_online(NODES)
-            for rep in range(args.repeat):
-                for v in variants:
-                    where = tmp / f"{v}-{rep}"
-                    if v == "fedsim":
-                        got = run_fedsim(fed, where, args.rounds, args.timeout)
-                    elif v == "inprocess":
-                        got = run_inprocess(where, args.rounds)
-                    else:
-                        got = run_vanilla(fed, where, args.rounds, v == "flower-noop", args.timeout)
-                    rows[v].append(got)
-                    print(
-                        f"# {v}, repeat {rep + 1}: rounds {', '.join(f'{x:.2f}' for x in got)} s", flush=True
-                    )
+        if "inprocess" in variants:
+            rows["inprocess"] = [
+                run_inprocess(tmp / f"inprocess-{r}", args.rounds) for r in range(args.repeat)
+            ]
+            print(f"# inprocess: rounds {', '.join(f'{x:.2f}' for x in rows['inprocess'][0])} s", flush=True)
+        for kind in args.nodes.split(","):
+            work = tmp / f"work-{kind}"
+            with Federation(work, Security(tls=False, auth=False), echo=lambda _: None) as fed:
+                fed.start_superlink()
+                for i in range(NODES):
+                    fed.start_supernode(i, NODES, cache_dir=str(cache), warm=kind == "warm")
+                fed.wait_nodes_online(NODES)
+                for rep in range(args.repeat):
+                    for v in (v for v in variants if v != "inprocess"):
+                        where = tmp / f"{v}-{kind}-{rep}"
+                        if v == "fedsim":
+                            got = run_fedsim(fed, where, args.rounds, args.timeout)
+                        else:
+                            got = run_vanilla(fed, where, args.rounds, v == "flower-noop", args.timeout)
+                        rows.setdefault(f"{v}, {kind} nodes", []).append(got)
+                        print(
+                            f"# {v}, {kind} nodes: rounds {', '.join(f'{x:.2f}' for x in got)} s", flush=True
+                        )
         print(
             f"\n{NODES} local SuperNodes, {args.rounds} rounds x {args.repeat}; before: {before}; "
             f"after: {bench.machine_line()}"
         )
-        print(f"{'variant':<14}{'round 1 s':>10}{'later rounds s (median)':>26}")
+        print(f"{'variant':<28}{'round 1 s':>10}{'later rounds s (median)':>26}")
         later = {}
         for v, runs in rows.items():
             first = statistics.median(r[0] for r in runs)
             later[v] = statistics.median(x for r in runs for x in r[1:])
-            print(f"{v:<14}{first:>10.2f}{later[v]:>26.2f}")
-        if "fedsim" in later and "inprocess" in later:
-            over = later["fedsim"] - later["inprocess"]
-            print(
-                f"fedsim's deployed round above the training itself: {over:.2f} s (goal <= 3 s: "
-                f"{'met' if over <= 3 else 'not met'})"
-            )
-        if "fedsim" in later and "flower" in later:
-            print(f"vanilla Flower / fedsim per deployed round: {later['flower'] / later['fedsim']:.2f}")
-        if "flower-noop" in later:
-            print(
-                f"Flower itself (clients return the model, no torch): {later['flower-noop']:.2f} s per round"
-            )
+            print(f"{v:<28}{first:>10.2f}{later[v]:>26.2f}")
+        train = later.get("inprocess")
+        for kind in args.nodes.split(","):
+            fs, fl, noop = (later.get(f"{v}, {kind} nodes") for v in ("fedsim", "flower", "flower-noop"))
+            if fs is not None and train is not None:
+                over = fs - train
+                print(
+                    f"{kind} nodes: fedsim's deployed round above the training itself {over:.2f} s "
+                    f"(goal <= 3 s: {'met' if over <= 3 else 'not met'})"
+                )
+            if fs is not None and fl is not None:
+                print(f"{kind} nodes: vanilla Flower / fedsim per deployed round {fl / fs:.2f}")
+            if noop is not None:
+                print(
+                    f"{kind} nodes: Flower itself (clients return the model, no torch) {noop:.2f} s per round"
+                )
         print(
-            "per message, a fresh flwr-clientapp process pays (each alone in a fresh interpreter; "
-            "the task lines exclude fedsim's imports):"
+            "per message, a fresh flwr-clientapp process on a stock node pays (each alone in a fresh "
+            "interpreter; the task lines exclude fedsim's imports):"
         )
         base = SPEC.rstrip("; ")
         for name, code in PER_MESSAGE.items():

@@ -470,7 +470,8 @@ def test_commands_use_flags_the_installed_flower_has(tmp_path):
 
     sec = Security(tls=True, auth=True, certs=tmp_path)
     link = superlink_command("127.0.0.1", 9093, sec, secret=tmp_path / "s")
-    node = supernode_command("127.0.0.1:9093", 9094, 1, 3, sec, max_wait_time=30)
+    node = supernode_command("127.0.0.1:9093", 9094, 1, 3, sec, max_wait_time=30, warm_secret=tmp_path / "w")
+    assert node[node.index("--isolation") + 1] == "process"
     exe = superexec_command("127.0.0.1:9093", sec, tmp_path / "s", parent_pid=1)
     assert "--enable-supernode-auth" in link and "--insecure" not in link
     assert link[link.index("--isolation") + 1] == "process"
@@ -630,8 +631,10 @@ def fed(tmp_path_factory):
         for name, bound in (("intruder", None), ("standby", 1)):
             key = make_node_key(root / name / "key")
             f.outsiders[name] = f.register(bound, Path(f"{key}.pub"), name=name)
-        for i in range(N):
-            f.start_supernode(i, N, data_dir=str(root / "node2-data") if i == 2 else None)
+        for i in range(
+            N
+        ):  # nodes 0 and 1 fork their ClientApps from a warm process; node 2 is Flower's stock
+            f.start_supernode(i, N, data_dir=str(root / "node2-data") if i == 2 else None, warm=i != 2)
         for name in f.outsiders:
             f.start_supernode(0, N, key=root / name / "key", name=name)
         f.wait_nodes_online(N + len(f.outsiders), timeout=180)
@@ -746,7 +749,8 @@ def test_fedbuff_in_wall_clock_arrival_order(fed):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["engine"] == "deployment"
     train = _check_replies(fed, out, overrides)
-    assert len(train) >= 4 and {r["partition_id"] for r in train} == {0, 1, 2}
+    # the warm nodes 0 and 1 answer sooner than the stock node 2: they may fill both buffers by themselves
+    assert len(train) >= 4 and {0, 1} <= {r["partition_id"] for r in train} <= {0, 1, 2}
     _check_outsiders_refused(fed, out)
     times = [r["time"] for r in train]
     assert times == sorted(times)
@@ -932,6 +936,47 @@ def test_a_wait_that_is_no_finite_number_of_seconds_is_refused(wait, capsys):
     with pytest.raises(SystemExit) as e:
         main([*argv, "--num-partitions", "2", "--dry-run", "--wait", wait])
     assert e.value.code == 2 and "expected a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(capsys, monkeypatch):
+    from fedsim.deploy import __main__ as cli
+    from fedsim.deploy.__main__ import main
+
+    monkeypatch.setattr(cli, "check_node", lambda *a, **k: None)  # no SuperLink here: the commands only
+
+    argv = ["supernode", "--superlink", "127.0.0.1:9", "--insecure", "--partition-id", "0"]
+    assert main([*argv, "--num-partitions", "2", "--dry-run", "--port", "9555"]) == 0
+    warm, node = (shlex.split(x[2:]) for x in capsys.readouterr().out.splitlines()[-2:])
+    assert warm[1:3] == ["-m", "fedsim.deploy.warm"] and "127.0.0.1:9555" in warm
+    assert node[0] == "flower-supernode" and node[node.index("--isolation") + 1] == "process"
+    secret = "--superexec-auth-secret-file"
+    assert warm[warm.index(secret) + 1] == node[node.index(secret) + 1]  # the node lets only its warm one in
+    assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid the exec'd SuperNode keeps
+    assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()[-1:]
+    assert "--isolation" not in line and "fedsim.deploy.warm" not in capsys.readouterr().out
+
+
+def test_the_warm_executor_forks_one_process_per_task_and_reaps_it(monkeypatch):
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor.types import ExecutionSpec
+
+    from fedsim.deploy import warm
+
+    monkeypatch.setattr(warm, "_run_clientapp", lambda spec: 7 if spec.token == "t1" else 0)
+    ex = warm.ForkExecutor()
+
+    def spec(token: str) -> ExecutionSpec:
+        return ExecutionSpec(TaskType.CLIENT_APP, "127.0.0.1:9", token, True, None, False, None, False, 1)
+
+    assert ex.launch(spec("t1")).status == "accepted" and ex.launch(spec("t2")).status == "accepted"
+    children = set(ex.children)
+    assert len(children) == 2 and os.getpid() not in children
+    _wait_for(lambda: (ex.reconcile(), not ex.children)[1], 30, "the children to be reaped")
+    for pid in children:  # reaped: no zombie left under this pid
+        assert (
+            not Path(f"/proc/{pid}").exists() or "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )
 
 
 def test_certificates_aimed_at_a_file_are_one_line(tmp_path, capsys):

@@ -32,6 +32,7 @@ from fedsim.deploy.launch import (
     check_node,
     stop_from_pidfile,
     supernode_command,
+    warm_command,
 )
 
 # Outside the app folder: `flwr run .` packs every *.toml/*.json under it into the app bundle.
@@ -92,6 +93,12 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--out-dir", help="run folder (default outputs/deploy-<timestamp> in this directory)")
     loc.add_argument(
         "--data-dir", help="per-node data folder; {i} becomes the partition id, e.g. data/node{i}"
+    )
+    loc.add_argument(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="Flower's stock SuperExec: a fresh flwr-clientapp process (torch imported again) per message",
     )
     loc.add_argument(
         "--cache-dir",
@@ -164,6 +171,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--insecure", action="store_true", help="no TLS (and so no node authentication)")
     n.add_argument("--data-dir", help="this node's own data folder (train.npz, optional val.npz)")
+    n.add_argument(
+        "--no-warm",
+        dest="warm",
+        action="store_false",
+        help="Flower's stock SuperExec: a fresh flwr-clientapp process (torch imported again) per message; "
+        "by default each message's process is forked from a warm one (fedsim.deploy.warm)",
+    )
     n.add_argument(
         "--cache-dir",
         default=DEFAULT_NODE_CACHE,
@@ -245,6 +259,7 @@ def run_local(args: argparse.Namespace) -> int:
                 args.nodes,
                 data_dir=str(Path(data_dir).resolve()) if data_dir else None,
                 cache_dir=cache_folder(args.cache_dir, workdir / "partition-cache"),
+                warm=args.warm,
             )
         print(f"# {args.nodes} SuperNodes online after {fed.wait_nodes_online(args.nodes):.1f} s")
         run_id = fed.submit(app, {"overrides": overrides, "out-dir": str(out_dir.resolve())})
@@ -360,11 +375,30 @@ def run_supernode(args: argparse.Namespace) -> int:
         data_dir=data_dir,
         ca=args.root_certificates,
         cache_dir=cache_folder(args.cache_dir, None),
+        warm_secret=Path("SECRET") if args.warm else None,
     )
+    warm = warm_command(args.port, Path("SECRET"), parent_pid=os.getpid()) if args.warm else None
+    if warm is not None:  # this process becomes the SuperNode (exec keeps the pid the warm one watches)
+        import tempfile
+
+        from fedsim.deploy.launch import write_secret
+
+        secret = "<a fresh secret file>"
+        if not args.dry_run:
+            secret = str(
+                write_secret(Path(tempfile.mkdtemp(prefix="fedsim-supernode-")) / "superexec.secret")
+            )
+        cmd, warm = ([secret if a == "SECRET" else a for a in c] for c in (cmd, warm))
+        print("$ " + shlex.join(warm), flush=True)
     print("$ " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    os.execvpe(cmd[0], cmd, {**os.environ, **FLWR_ENV})
+    env = {**os.environ, **FLWR_ENV}
+    if warm is not None:
+        import subprocess
+
+        subprocess.Popen(warm, env=env)  # stops when the SuperNode (this pid) ends
+    os.execvpe(cmd[0], cmd, env)
     return 1  # not reached
 
 

@@ -166,6 +166,13 @@ def superexec_command(
     return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
 
 
+def warm_command(port: int, secret: Path, parent_pid: int | None = None) -> list[str]:
+    """fedsim's warm SuperExec (:mod:`fedsim.deploy.warm`) for the SuperNode whose Runtime API is on ``port``."""
+    cmd = [sys.executable, "-m", "fedsim.deploy.warm", "--runtime-api-address", f"127.0.0.1:{port}"]
+    cmd += ["--insecure", "--superexec-auth-secret-file", str(secret)]  # loopback only
+    return cmd + (["--parent-pid", str(parent_pid)] if parent_pid else [])
+
+
 def write_secret(path: Path) -> Path:
     """A fresh random SuperExec secret in ``path``, readable by its owner only."""
     write_private(path, secrets.token_hex(32).encode())
@@ -222,12 +229,17 @@ def supernode_command(
     max_wait_time: float | None = None,
     ca: Path | None = None,
     cache_dir: str | None = None,
+    warm_secret: Path | None = None,
 ) -> list[str]:
     """``flower-supernode`` for one node; ``port`` is its own Runtime API port (unique per host).
 
-    ``ca`` overrides ``sec.ca`` (the CA certificate that signed the SuperLink's certificate).
+    ``ca`` overrides ``sec.ca`` (the CA certificate that signed the SuperLink's certificate). ``warm_secret``:
+    the node runs with ``--isolation process`` and leaves its ClientApps to ``warm_command``'s process,
+    which proves this shared secret.
     """
     cmd = ["flower-supernode", "--superlink", superlink]
+    if warm_secret is not None:
+        cmd += ["--isolation", "process", "--superexec-auth-secret-file", str(warm_secret)]
     cmd += ["--root-certificates", str(ca or sec.ca)] if sec.tls else ["--insecure"]
     if sec.auth:
         cmd += ["--auth-supernode-private-key", str(key if key is not None else sec.node_key(partition_id))]
@@ -622,11 +634,18 @@ class Federation:
         name: str | None = None,
         max_wait_time: float | None = None,
         cache_dir: str | None = None,
+        warm: bool = False,
     ) -> subprocess.Popen:
-        """Start one SuperNode for ``partition_id`` (its own Runtime API port is picked free)."""
+        """Start one SuperNode for ``partition_id`` (its own Runtime API port is picked free).
+
+        ``warm``: its ClientApps are forked from a warm process (:mod:`fedsim.deploy.warm`), started beside it.
+        """
+        name = name or f"supernode{partition_id}"
+        port = free_port("127.0.0.1")
+        secret = write_secret(self.workdir / f"{name}.secret") if warm else None
         cmd = supernode_command(
             self.address,
-            free_port(self.host),
+            port,
             partition_id,
             num_partitions,
             self.sec,
@@ -634,8 +653,12 @@ class Federation:
             data_dir=data_dir,
             max_wait_time=max_wait_time,
             cache_dir=cache_dir,
+            warm_secret=secret,
         )
-        return self.spawn(name or f"supernode{partition_id}", cmd, cwd=self.cwd)
+        proc = self.spawn(name, cmd, cwd=self.cwd)
+        if secret is not None:
+            self.spawn(f"{name}-warm", warm_command(port, secret, parent_pid=proc.pid), cwd=self.cwd)
+        return proc
 
     def wait_nodes_online(self, count: int, timeout: float = 120.0) -> float:
         """Poll ``flwr supernode list`` until ``count`` nodes are online; return the seconds waited."""
@@ -791,7 +814,9 @@ def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             cmdline = "flower" if running(pid) else ""
-        if not running(pid) or not any(w in cmdline for w in ("flower", "nginx", "fedsim.deploy.front")):
+        if not running(pid) or not any(
+            w in cmdline for w in ("flower", "nginx", "fedsim.deploy.front", "fedsim.deploy.warm")
+        ):
             continue
         terminate([pid, *descendants(pid)], timeout)
         stopped.append(pid)
