@@ -1,8 +1,10 @@
 """Deployed rounds: fedsim and a vanilla Flower app of the same size on 3-SuperNode loopback federations.
 
-Two federations in turn, each one SuperLink (TLS off, loopback) and three SuperNodes that stay up while the
+Three federations in turn, each one SuperLink (TLS off, loopback) and three SuperNodes that stay up while the
 variants run (repeats interleaved):
 
+- ``warm-poll`` nodes: ``warm`` nodes whose idle poll is 0.25 s instead of Flower's 3 s
+  (``fedsim.deploy.node``, ``--node-poll 0.25``);
 - ``warm`` nodes: each SuperNode's ClientApp processes are forked from a process that has imported torch
   (``fedsim.deploy.warm``, the default of ``python -m fedsim.deploy``);
 - ``stock`` nodes: Flower's own SuperExec, a fresh ``flwr-clientapp`` interpreter per message
@@ -20,7 +22,7 @@ Per-round times are the gaps between consecutive evaluations of the global model
 apps are timed the same way. The table gives round 1 (first messages: caches cold) and the median of the
 later rounds, then what a fresh ``flwr-clientapp`` process pays before it trains on a stock node.
 
-    python bench/deploy.py                      # 4 rounds, 1 repeat: about 4 minutes on 2 cores
+    python bench/deploy.py                      # 4 rounds, 1 repeat: about 5 minutes on 2 cores
     python bench/deploy.py --rounds 6 --repeat 2 --nodes warm
 """
 
@@ -44,6 +46,8 @@ NODES = 3
 FEDSIM_APP = HERE.parent
 VANILLA_APP = HERE / "vanilla_flower_deploy"
 VARIANTS = ("fedsim", "flower", "flower-noop", "inprocess")
+KINDS = ("warm-poll", "warm", "stock")
+NODE_POLL = 0.25  # the warm-poll nodes' idle poll (--node-poll); Flower's own is 3 s
 FEDSIM_OVERRIDES = [f"num_clients={NODES}", f"clients_per_round={NODES}"]
 
 # what a fresh flwr-clientapp process does before it trains, each in its own interpreter
@@ -114,7 +118,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--nodes", default="warm,stock", help="SuperNode kinds, each a federation of its own")
+    ap.add_argument("--nodes", default=",".join(KINDS), help="SuperNode kinds, each a federation of its own")
     ap.add_argument("--timeout", type=float, default=600)
     args = ap.parse_args()
     variants = args.variants.split(",")
@@ -133,7 +137,8 @@ def main() -> None:
             with Federation(work, Security(tls=False, auth=False), echo=lambda _: None) as fed:
                 fed.start_superlink()
                 for i in range(NODES):
-                    fed.start_supernode(i, NODES, cache_dir=str(cache), warm=kind == "warm")
+                    warm, poll = kind.startswith("warm"), NODE_POLL if kind.endswith("poll") else None
+                    fed.start_supernode(i, NODES, cache_dir=str(cache), warm=warm, poll=poll)
                 fed.wait_nodes_online(NODES)
                 for rep in range(args.repeat):
                     for v in (v for v in variants if v != "inprocess"):

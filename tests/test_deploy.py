@@ -631,10 +631,11 @@ def fed(tmp_path_factory):
         for name, bound in (("intruder", None), ("standby", 1)):
             key = make_node_key(root / name / "key")
             f.outsiders[name] = f.register(bound, Path(f"{key}.pub"), name=name)
-        for i in range(
-            N
-        ):  # nodes 0 and 1 fork their ClientApps from a warm process; node 2 is Flower's stock
-            f.start_supernode(i, N, data_dir=str(root / "node2-data") if i == 2 else None, warm=i != 2)
+        # nodes 0 and 1 fork their ClientApps from a warm process, node 0 polls every 0.25 s
+        # (fedsim.deploy.node); node 2 is Flower's stock command
+        for i in range(N):
+            data = str(root / "node2-data") if i == 2 else None
+            f.start_supernode(i, N, data_dir=data, warm=i != 2, poll=0.25 if i == 0 else None)
         for name in f.outsiders:
             f.start_supernode(0, N, key=root / name / "key", name=name)
         f.wait_nodes_online(N + len(f.outsiders), timeout=180)
@@ -953,8 +954,31 @@ def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(c
     assert warm[warm.index(secret) + 1] == node[node.index(secret) + 1]  # the node lets only its warm one in
     assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid the exec'd SuperNode keeps
     assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm"]) == 0
-    (line,) = capsys.readouterr().out.splitlines()[-1:]
-    assert "--isolation" not in line and "fedsim.deploy.warm" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--isolation" not in out and "fedsim.deploy.warm" not in out
+    assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm", "--node-poll", "0.25"]) == 0
+    node = shlex.split(capsys.readouterr().out.splitlines()[-1][2:])
+    assert node[1:6] == ["-m", "fedsim.deploy.node", "--poll", "0.25", "--"] and node[6] == "--superlink"
+    with pytest.raises(SystemExit):
+        main([*argv, "--num-partitions", "2", "--dry-run", "--node-poll", "0"])
+    assert "expected seconds in [0.01, 60]" in capsys.readouterr().err
+
+
+def test_the_node_poll_scales_only_the_sleeps_of_flowers_supernode_loop(monkeypatch):
+    import importlib
+
+    from fedsim.deploy import node
+
+    slept = []
+    monkeypatch.setattr(node._time, "sleep", slept.append)
+    fake = node.ScaledSleep(0.25 / node.FLOWER_IDLE_POLL)
+    fake.sleep(3)  # the idle poll
+    fake.sleep(0.5)  # the reply wait
+    assert slept == pytest.approx([0.25, 0.5 / 12]) and fake.monotonic is node._time.monotonic
+    loop = importlib.import_module("flwr.supernode.start_client_internal")
+    src = Path(loop.__file__).read_text()
+    # what fedsim.deploy.node replaces: Flower's loop sleeps only through its module-level `time`
+    assert "time.sleep(3)" in src and "from time import" not in src and "import time\n" in src
 
 
 def test_the_warm_executor_forks_one_process_per_task_and_reaps_it(monkeypatch):

@@ -76,3 +76,26 @@ def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
     top = {n.split("/")[0] for n in names}
     assert top == {"fedsim", wheel.name.split("-py")[0] + ".dist-info"}, top
     assert "fedsim/strategies/base.py" in names and "fedsim/conf/config.yaml" in names
+
+
+def test_the_app_bundle_holds_every_file_the_apps_run_and_nothing_else():
+    """``flwr run`` packs ``fab-include`` (pyproject.toml): all of fedsim/, strategies/ and conf/ that git
+    tracks, and no docs, tests or benchmarks, which every SuperNode would unpack for every message."""
+    import io
+
+    from flwr.cli.build import build_fab_from_disk
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("needs the git checkout")
+    names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(root))).namelist())
+    tracked = subprocess.run(
+        ["git", "ls-files", "fedsim", "strategies", "conf"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert tracked and set(tracked) <= names, sorted(set(tracked) - names)[:5]
+    assert not {n for n in names if n.split("/")[0] in ("tests", "docs", "bench", "notebooks")}
+    assert "LICENSE" in names

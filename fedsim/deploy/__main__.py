@@ -95,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         "--data-dir", help="per-node data folder; {i} becomes the partition id, e.g. data/node{i}"
     )
     loc.add_argument(
+        "--node-poll",
+        type=_poll,
+        default=None,
+        help="the SuperNodes' idle poll in seconds through fedsim.deploy.node (default: Flower's 3 s; 0.25 makes small "
+        "federations' rounds seconds faster, at 3/POLL times the idle requests to the SuperLink)",
+    )
+    loc.add_argument(
         "--no-warm",
         dest="warm",
         action="store_false",
@@ -171,6 +178,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     n.add_argument("--insecure", action="store_true", help="no TLS (and so no node authentication)")
     n.add_argument("--data-dir", help="this node's own data folder (train.npz, optional val.npz)")
+    n.add_argument(
+        "--node-poll",
+        type=_poll,
+        default=None,
+        help="this SuperNode's idle poll in seconds through fedsim.deploy.node (default: Flower's 3 s; 0.25 makes small "
+        "federations' rounds seconds faster, at 3/POLL times the idle requests to the SuperLink)",
+    )
     n.add_argument(
         "--no-warm",
         dest="warm",
@@ -260,6 +274,7 @@ def run_local(args: argparse.Namespace) -> int:
                 data_dir=str(Path(data_dir).resolve()) if data_dir else None,
                 cache_dir=cache_folder(args.cache_dir, workdir / "partition-cache"),
                 warm=args.warm,
+                poll=args.node_poll,
             )
         print(f"# {args.nodes} SuperNodes online after {fed.wait_nodes_online(args.nodes):.1f} s")
         run_id = fed.submit(app, {"overrides": overrides, "out-dir": str(out_dir.resolve())})
@@ -376,6 +391,7 @@ def run_supernode(args: argparse.Namespace) -> int:
         ca=args.root_certificates,
         cache_dir=cache_folder(args.cache_dir, None),
         warm_secret=Path("SECRET") if args.warm else None,
+        poll=args.node_poll,
     )
     warm = warm_command(args.port, Path("SECRET"), parent_pid=os.getpid()) if args.warm else None
     if warm is not None:  # this process becomes the SuperNode (exec keeps the pid the warm one watches)
@@ -410,6 +426,14 @@ def _seconds(text: str) -> float:
         value = math.nan
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
+
+
+def _poll(text: str) -> float:
+    """A SuperNode's idle poll: seconds in [0.01, 60]."""
+    value = _seconds(text)
+    if not 0.01 <= value <= 60:
+        raise argparse.ArgumentTypeError(f"expected seconds in [0.01, 60], got {text!r}")
     return value
 
 

@@ -230,14 +230,27 @@ def supernode_command(
     ca: Path | None = None,
     cache_dir: str | None = None,
     warm_secret: Path | None = None,
+    poll: float | None = None,
 ) -> list[str]:
     """``flower-supernode`` for one node; ``port`` is its own Runtime API port (unique per host).
 
     ``ca`` overrides ``sec.ca`` (the CA certificate that signed the SuperLink's certificate). ``warm_secret``:
     the node runs with ``--isolation process`` and leaves its ClientApps to ``warm_command``'s process,
-    which proves this shared secret.
+    which proves this shared secret. ``poll``: the node's idle poll in seconds, through
+    :mod:`fedsim.deploy.node` (``None``: Flower's own command and its 3 s).
     """
     cmd = ["flower-supernode", "--superlink", superlink]
+    if poll is not None:
+        cmd = [
+            sys.executable,
+            "-m",
+            "fedsim.deploy.node",
+            "--poll",
+            f"{poll:g}",
+            "--",
+            "--superlink",
+            superlink,
+        ]
     if warm_secret is not None:
         cmd += ["--isolation", "process", "--superexec-auth-secret-file", str(warm_secret)]
     cmd += ["--root-certificates", str(ca or sec.ca)] if sec.tls else ["--insecure"]
@@ -635,10 +648,12 @@ class Federation:
         max_wait_time: float | None = None,
         cache_dir: str | None = None,
         warm: bool = False,
+        poll: float | None = None,
     ) -> subprocess.Popen:
         """Start one SuperNode for ``partition_id`` (its own Runtime API port is picked free).
 
         ``warm``: its ClientApps are forked from a warm process (:mod:`fedsim.deploy.warm`), started beside it.
+        ``poll``: its idle poll in seconds (:mod:`fedsim.deploy.node`; ``None``: Flower's 3 s).
         """
         name = name or f"supernode{partition_id}"
         port = free_port("127.0.0.1")
@@ -654,6 +669,7 @@ class Federation:
             max_wait_time=max_wait_time,
             cache_dir=cache_dir,
             warm_secret=secret,
+            poll=poll,
         )
         proc = self.spawn(name, cmd, cwd=self.cwd)
         if secret is not None:
@@ -815,7 +831,8 @@ def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
         except OSError:
             cmdline = "flower" if running(pid) else ""
         if not running(pid) or not any(
-            w in cmdline for w in ("flower", "nginx", "fedsim.deploy.front", "fedsim.deploy.warm")
+            w in cmdline
+            for w in ("flower", "nginx", "fedsim.deploy.front", "fedsim.deploy.warm", "fedsim.deploy.node")
         ):
             continue
         terminate([pid, *descendants(pid)], timeout)
