@@ -18,6 +18,7 @@ import shlex
 import shutil
 import ssl
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -29,6 +30,7 @@ from helpers import compose_cfg, read_metrics
 from omegaconf import OmegaConf
 
 from fedsim import build
+from fedsim.config import FLOWER_ENV
 from fedsim.deploy import (
     DeployError,
     Federation,
@@ -1010,3 +1012,28 @@ def test_certificates_aimed_at_a_file_are_one_line(tmp_path, capsys):
     assert main(["certs", str(tmp_path / "run.sh")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fedsim.deploy: error: cannot write certificates") and len(err.splitlines()) == 1
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_local_command_runs_warm_fast_polling_nodes_and_leaves_nothing_running(tmp_path):
+    """The README's one-machine command, with TLS, node authentication, warm nodes and ``--node-poll``."""
+    work, out = tmp_path / "work", tmp_path / "run"
+    cmd = [sys.executable, "-m", "fedsim.deploy", "local", "--nodes", "2", "--tls", "--auth", "--node-poll"]
+    cmd += ["0.25", "--workdir", str(work), "--out-dir", str(out), "--overrides", "num_rounds=2"]
+    env = {**os.environ, **FLOWER_ENV}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds_done"] == 2 and summary["total_failures"] == 0
+    assert len(list((work / "partition-cache").glob("partition-*.npz"))) == 2  # each node cached its share
+    logs = "".join(p.read_text(errors="replace") for p in (work / "logs").glob("supernode*-warm.log"))
+    assert logs.count("fedsim warm SuperExec: preloaded") == 2
+    left = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(work) in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                left.append(proc.name)
+        except OSError:
+            pass
+    assert not left, f"processes left running: {left}"
