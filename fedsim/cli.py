@@ -17,6 +17,7 @@ second get their own folders), and checks a ``resume`` against its checkpoint.
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import re
@@ -519,6 +520,24 @@ def _check_resume(cfg, open_dict) -> None:
 
 def main() -> None:
     """Console entry point (``fedsim``)."""
+    try:
+        _main()
+    finally:
+        skip_exit_collection()
+
+
+def skip_exit_collection() -> None:
+    """Let the interpreter end without its last garbage collection.
+
+    Called when the command is done: the run's outputs are written and closed, and every file, lock and worker
+    has been let go by its own code or by an ``atexit`` handler, which still run. The collection would walk every
+    object torch, Flower, Hydra and matplotlib made (0.5-1 s of a one-minute run on 2 cores) to free memory that
+    the operating system takes back at once. ``gc.freeze`` moves them out of its reach.
+    """
+    gc.freeze()
+
+
+def _main() -> None:
     from fedsim import errors, sweep
 
     errors.IGNORE_AFTER_INTERRUPT = True

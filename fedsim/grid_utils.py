@@ -14,6 +14,7 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.errors import RunError
+from fedsim.strategies.records import array_values
 
 log = logging.getLogger("fedsim")
 
@@ -304,7 +305,7 @@ def check_reply_content(rep: Message, reference: dict[str, tuple[tuple, np.dtype
     loss = metrics.get(keys.TRAIN_LOSS, 0.0)
     if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
         return "nonfinite", f"NaN or Inf train loss from {_node(rep)}"
-    if not all(np.isfinite(a.numpy()).all() for a in arrs.values()):
+    if not all(np.isfinite(array_values(a, writable=False)).all() for a in arrs.values()):
         return "nonfinite", f"NaN or Inf in the update from {_node(rep)}"
     return None
 
@@ -364,7 +365,7 @@ def nonfinite_arrays(arrays: ArrayRecord) -> list[str]:
     """Names of the floating-point arrays of ``arrays`` that hold NaN or Inf."""
     bad = []
     for k, a in arrays.items():
-        x = a.numpy()
+        x = array_values(a, writable=False)
         if np.issubdtype(x.dtype, np.inexact) and not np.isfinite(x).all():
             bad.append(k)
     return bad

@@ -19,6 +19,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedsim import keys
 from fedsim.seeds import Purpose, torch_generator
+from fedsim.strategies.records import to_numpy
 
 # Train-config keys with a meaning on the client; anything else is "unhandled" (see TrainInstruction).
 _DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
@@ -75,11 +76,7 @@ def parse_train(config: ConfigRecord) -> TrainInstruction:
 
 def incoming_arrays(content: RecordDict) -> dict[str, dict]:
     """The extra ArrayRecords of a train message (besides the model), as numpy arrays by record and name."""
-    return {
-        name: {k: a.numpy() for k, a in rec.items()}
-        for name, rec in content.array_records.items()
-        if name != keys.ARRAYS
-    }
+    return {name: to_numpy(rec) for name, rec in content.array_records.items() if name != keys.ARRAYS}
 
 
 def train_reply(

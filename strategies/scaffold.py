@@ -80,7 +80,7 @@ class Scaffold(FedAvg):
             for k in floats
         }
         for m in valid:
-            dc = {k: a.numpy() for k, a in m.content[DELTA_C].items()}
+            dc = to_numpy(m.content[DELTA_C])
             for k in self.c:
                 if k in dc:
                     self.c[k] = self.c[k] + np.asarray(dc[k], np.float64) / self.num_clients

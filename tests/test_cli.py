@@ -178,3 +178,22 @@ def test_a_run_folder_name_too_long_for_the_file_system_is_one_line(tmp_path):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim: config error")]
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1
     assert "hydra.run.dir=" in errors[0] and "a folder fedsim can create and write in" in errors[0]
+
+
+@pytest.mark.parametrize("argv", [["--cfg", "job"], ["num_rounds=-1"]], ids=["printed", "config-error"])
+def test_the_command_ends_without_the_interpreters_last_collection(monkeypatch, capsys, argv):
+    """``fedsim`` freezes the garbage collector once it is done (a normal end and a sys.exit alike), so the
+    interpreter's exit does not walk every object torch and Flower made."""
+    import contextlib
+    import gc
+
+    from fedsim import cli
+
+    monkeypatch.setattr(sys, "argv", ["fedsim", *argv])
+    gc.unfreeze()
+    try:
+        with pytest.raises(SystemExit) if argv[0] != "--cfg" else contextlib.nullcontext():
+            cli.main()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
+from fedsim.strategies.records import to_numpy
+
 PREFIX = "fedsim-client-state"  # the ArrayRecord in Context.state that holds a node's arrays
 _VERSION = re.compile(r"^(\d+)-(\d+)\.npz$")
 
@@ -104,7 +106,7 @@ class ContextState(ClientState):
 
     def load(self) -> dict[str, np.ndarray]:
         rec = self.state.get(PREFIX)
-        return {} if rec is None else {k: a.numpy() for k, a in rec.items()}
+        return {} if rec is None else to_numpy(rec)
 
     def save(self, arrays: dict[str, np.ndarray]) -> None:
         self.state[PREFIX] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
