@@ -169,6 +169,7 @@ class Run:
         self.strategy = exp.strategy
         self.state = RunState(arrays=ArrayRecord(exp.initial_model.state_dict()))
         self.error: str | None = None  # why a failed run failed
+        self.partition_plot = None  # partitions.png being drawn by another process
         self.signal: int | None = None  # the signal that interrupted it
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         cfg = exp.cfg
@@ -193,7 +194,9 @@ class Run:
             self.callbacks.start(out_dir, exp.resolved, list(records))
             ds = exp.dataset  # real-valued targets are counted by decile
             bins = ds.num_classes if ds.targets == "classes" else 10
-            write_partition_stats(out_dir, exp.client_shares, ds.partition_labels(bins), bins)
+            self.partition_plot = write_partition_stats(
+                out_dir, exp.client_shares, ds.partition_labels(bins), bins, background=True
+            )
         except BaseException:
             if hasattr(self, "recorder"):
                 self.recorder.close()
@@ -201,7 +204,9 @@ class Run:
             raise
 
     def close(self) -> None:
-        """Close metrics.jsonl and give the run folder's lock back."""
+        """Close metrics.jsonl, end a picture still being drawn and give the run folder's lock back."""
+        if self.partition_plot is not None:
+            self.partition_plot.cancel()
         self.recorder.close()
         unlock_run_folder(self.out_dir)
 
@@ -364,7 +369,8 @@ class Run:
 
     # ------------------------------------------------------------------ outputs
     def finish(self, status: str, engine: str) -> dict:
-        """model.pt, checkpoint.pt when due, summary.json, then curves.png; return the summary.
+        """model.pt, checkpoint.pt when due, summary.json, then curves.png and partitions.png (drawn by another
+        process since the run began); return the summary.
 
         Each output is tried whatever happened before; a write failure is one line naming the file (the run
         then ends ``failed``); the plot is optional (a failure is a warning).
@@ -422,6 +428,11 @@ class Run:
             except Exception as e:  # noqa: BLE001  (curves.png is optional: the run's results are written)
                 (self.out_dir / "curves.png").unlink(missing_ok=True)
                 log.warning("curves.png not written: %s", _one_line(e))
+        if self.partition_plot is not None:
+            why, self.partition_plot = self.partition_plot.wait(), None
+            if why:
+                (self.out_dir / "partitions.png").unlink(missing_ok=True)
+                log.warning("partitions.png not written: %s", why)
         return summary
 
 
@@ -439,15 +450,25 @@ def versions() -> dict:
 
 
 def write_partition_stats(
-    out_dir: Path, shares: list[np.ndarray], labels: np.ndarray, num_classes: int
-) -> None:
+    out_dir: Path, shares: list[np.ndarray], labels: np.ndarray, num_classes: int, background: bool = False
+):
     """partitions.json and partitions.png: size and label histogram of each client's share (before its
-    train/validation split, which is made only for the clients a run samples)."""
-    from fedsim.data.stats import partition_stats, plot_partitions
+    train/validation split, which is made only for the clients a run samples).
+
+    With ``background``, the picture is drawn by another process (:class:`~fedsim.data.stats.BackgroundPlot`,
+    returned: its ``wait()`` says whether the picture was written); else here (None is returned).
+    """
+    from fedsim.data.stats import BackgroundPlot, partition_stats, plot_partitions
 
     stats = partition_stats(shares, labels, num_classes)
     atomic_write_bytes(out_dir / "partitions.json", (json.dumps(stats) + "\n").encode())
+    if background:
+        try:
+            return BackgroundPlot(out_dir / "partitions.json", out_dir / "partitions.png")
+        except OSError as e:  # no process to draw it: draw it here
+            log.debug("partitions.png drawn in this process: %s", e)
     try:
         plot_partitions(stats, out_dir / "partitions.png")
     except Exception as e:  # noqa: BLE001  (an optional figure)
         log.warning("partitions.png not written: %s", _one_line(e))
+    return None

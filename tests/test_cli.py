@@ -180,20 +180,24 @@ def test_a_run_folder_name_too_long_for_the_file_system_is_one_line(tmp_path):
     assert "hydra.run.dir=" in errors[0] and "a folder fedsim can create and write in" in errors[0]
 
 
-@pytest.mark.parametrize("argv", [["--cfg", "job"], ["num_rounds=-1"]], ids=["printed", "config-error"])
-def test_the_command_ends_without_the_interpreters_last_collection(monkeypatch, capsys, argv):
-    """``fedsim`` freezes the garbage collector once it is done (a normal end and a sys.exit alike), so the
+def test_the_command_ends_without_the_interpreters_last_collection(tmp_path):
+    """``fedsim`` freezes the garbage collector once it is done, on a normal end and on a sys.exit alike, so the
     interpreter's exit does not walk every object torch and Flower made."""
-    import contextlib
-    import gc
-
-    from fedsim import cli
-
-    monkeypatch.setattr(sys, "argv", ["fedsim", *argv])
-    gc.unfreeze()
-    try:
-        with pytest.raises(SystemExit) if argv[0] != "--cfg" else contextlib.nullcontext():
-            cli.main()
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()
+    code = """if True:
+        import gc, sys
+        from fedsim import cli
+        for argv in (["--cfg", "job"], ["num_rounds=-1"]):
+            gc.unfreeze()
+            sys.argv = ["fedsim", *argv]
+            try:
+                cli.main()
+                status = 0
+            except SystemExit as e:
+                status = e.code
+            print("RESULT", status, gc.get_freeze_count() > 0)
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    results = [ln.split()[1:] for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
+    assert results == [["0", "True"], ["2", "True"]], out.stdout + out.stderr

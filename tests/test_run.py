@@ -44,6 +44,16 @@ def test_run_folder_has_every_output(tmp_path):
     net.load_state_dict(torch.load(tmp_path / "model.pt"))
 
 
+def test_a_partition_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
+    from fedsim.data import stats
+
+    monkeypatch.setattr(stats, "_DRAW", "raise SystemExit('matplotlib is broken here')")
+    summary = run_tiny(tmp_path)
+    assert summary["status"] == "completed"
+    assert not (tmp_path / "partitions.png").exists() and (tmp_path / "curves.png").exists()
+    assert "partitions.png not written: matplotlib is broken here" in caplog.text
+
+
 @pytest.mark.slow
 def test_same_seed_same_metrics_and_model(tmp_path):
     a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
