@@ -23,6 +23,7 @@ import torch
 
 from fedsim import schema
 from fedsim.errors import ConfigError, critical, write_error
+from fedsim.figures import plot_curves
 from fedsim.tasks import CLASSIFICATION, Task
 
 try:
@@ -335,46 +336,3 @@ class Recorder:
     def plot(self, title: str = "") -> None:
         """curves.png: accuracy and loss against round and against simulated time."""
         plot_curves(self.records, self.out_dir / "curves.png", title, self.task.metric)
-
-
-def plot_curves(records: list[dict], path: Path, title: str = "", metric: str = "accuracy") -> None:
-    """Plot the task's eval metric (accuracy by default) and loss against round (top) and simulated time
-    (bottom)."""
-    field = schema.eval_field(metric)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = [dict(r) for r in records]  # copies: the cumulative-traffic axis is added to them below
-    ev = [r for r in records if r.get(field) is not None]
-    rows = [(schema.ROUND, "round (server model version)"), (schema.SIM_TIME, "simulated time (s)")]
-    if any(r.get(schema.BYTES_UP) is not None for r in records):  # communication: against cumulative traffic
-        total = 0
-        for r in records:
-            total += int(r.get(schema.BYTES_UP) or 0) + int(r.get(schema.BYTES_DOWN) or 0)
-            r["_megabytes"] = total / 1e6
-        rows.append(("_megabytes", "cumulative bytes up + down (MB)"))
-    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 3.5 * len(rows)), constrained_layout=True)
-    for row, (xkey, xlabel) in enumerate(rows):
-        xs = [r.get(xkey, 0.0) for r in ev]
-        axes[row, 0].plot(xs, [r[field] for r in ev], marker=".")
-        axes[row, 0].set(xlabel=xlabel, ylabel=f"eval {metric}")
-        axes[row, 1].plot(
-            xs, [r[schema.EVAL_LOSS] for r in ev], marker=".", color="tab:red", label="eval loss"
-        )
-        tr = [r for r in records if r.get(schema.TRAIN_LOSS) is not None]
-        axes[row, 1].plot(
-            [r.get(xkey, 0.0) for r in tr],
-            [r[schema.TRAIN_LOSS] for r in tr],
-            color="tab:gray",
-            label="train loss",
-        )
-        axes[row, 1].set(xlabel=xlabel, ylabel="loss")
-        axes[row, 1].legend()
-        for ax in axes[row]:
-            ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -38,6 +38,7 @@ from fedsim.callbacks import Callbacks
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals
 from fedsim.experiment import Experiment, build_experiment
+from fedsim.figures import FigureWorker
 from fedsim.grid_utils import StoppableView
 from fedsim.recorder import (
     Recorder,
@@ -169,13 +170,14 @@ class Run:
         self.strategy = exp.strategy
         self.state = RunState(arrays=ArrayRecord(exp.initial_model.state_dict()))
         self.error: str | None = None  # why a failed run failed
-        self.partition_plot = None  # partitions.png being drawn by another process
+        self.figures: FigureWorker | None = None  # the process drawing partitions.png and curves.png
         self.signal: int | None = None  # the signal that interrupted it
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         cfg = exp.cfg
         records: list[dict] = []
         lock_run_folder(out_dir)  # first: a folder another live run writes to is refused before any write
         try:
+            self.figures = start_figures()  # first: it imports matplotlib while the run sets up
             target = cfg.get(f"target_{exp.task.metric}")
             self.watch = TargetWatch(target, bool(cfg.get("stop_at_target")), exp.task)
             if cfg.get("resume"):
@@ -194,19 +196,19 @@ class Run:
             self.callbacks.start(out_dir, exp.resolved, list(records))
             ds = exp.dataset  # real-valued targets are counted by decile
             bins = ds.num_classes if ds.targets == "classes" else 10
-            self.partition_plot = write_partition_stats(
-                out_dir, exp.client_shares, ds.partition_labels(bins), bins, background=True
-            )
+            write_partition_stats(out_dir, exp.client_shares, ds.partition_labels(bins), bins, self.figures)
         except BaseException:
+            if self.figures is not None:
+                self.figures.cancel()
             if hasattr(self, "recorder"):
                 self.recorder.close()
             unlock_run_folder(out_dir)
             raise
 
     def close(self) -> None:
-        """Close metrics.jsonl, end a picture still being drawn and give the run folder's lock back."""
-        if self.partition_plot is not None:
-            self.partition_plot.cancel()
+        """Close metrics.jsonl, end pictures still being drawn and give the run folder's lock back."""
+        if self.figures is not None:
+            self.figures.cancel()
         self.recorder.close()
         unlock_run_folder(self.out_dir)
 
@@ -422,17 +424,24 @@ class Run:
             summary["status"] = "failed"
             summary["error"] = "; ".join(x for x in (summary.get("error"), str(e)) if x)
         self.callbacks.end(summary)
-        if rec.records:
+        title = " ".join(f"{k}={v}" for k, v in self.choices.items())
+        curves = self.out_dir / "curves.png"
+        asked = rec.records and self.figures is not None
+        asked = asked and self.figures.draw(
+            "curves", curves, records=rec.records, title=title, metric=rec.task.metric
+        )
+        if rec.records and not asked:
             try:
-                rec.plot(title=" ".join(f"{k}={v}" for k, v in self.choices.items()))
+                rec.plot(title=title)
             except Exception as e:  # noqa: BLE001  (curves.png is optional: the run's results are written)
-                (self.out_dir / "curves.png").unlink(missing_ok=True)
+                curves.unlink(missing_ok=True)
                 log.warning("curves.png not written: %s", _one_line(e))
-        if self.partition_plot is not None:
-            why, self.partition_plot = self.partition_plot.wait(), None
-            if why:
-                (self.out_dir / "partitions.png").unlink(missing_ok=True)
-                log.warning("partitions.png not written: %s", why)
+        if self.figures is not None:
+            drawn, self.figures = self.figures.finish(), None
+            for png, why in drawn.items():
+                if why:  # optional pictures: the run's results are written
+                    Path(png).unlink(missing_ok=True)
+                    log.warning("%s not written: %s", Path(png).name, why)
         return summary
 
 
@@ -450,25 +459,38 @@ def versions() -> dict:
 
 
 def write_partition_stats(
-    out_dir: Path, shares: list[np.ndarray], labels: np.ndarray, num_classes: int, background: bool = False
-):
+    out_dir: Path,
+    shares: list[np.ndarray],
+    labels: np.ndarray,
+    num_classes: int,
+    figures: FigureWorker | None = None,
+) -> None:
     """partitions.json and partitions.png: size and label histogram of each client's share (before its
     train/validation split, which is made only for the clients a run samples).
 
-    With ``background``, the picture is drawn by another process (:class:`~fedsim.data.stats.BackgroundPlot`,
-    returned: its ``wait()`` says whether the picture was written); else here (None is returned).
+    The picture is asked of ``figures`` (drawn while the run goes on; its ``finish()`` says whether it was
+    written), else drawn here.
     """
-    from fedsim.data.stats import BackgroundPlot, partition_stats, plot_partitions
+    from fedsim.data.stats import partition_stats
 
     stats = partition_stats(shares, labels, num_classes)
     atomic_write_bytes(out_dir / "partitions.json", (json.dumps(stats) + "\n").encode())
-    if background:
-        try:
-            return BackgroundPlot(out_dir / "partitions.json", out_dir / "partitions.png")
-        except OSError as e:  # no process to draw it: draw it here
-            log.debug("partitions.png drawn in this process: %s", e)
+    if figures is not None and figures.draw(
+        "partitions", out_dir / "partitions.png", stats=str(out_dir / "partitions.json")
+    ):
+        return
     try:
+        from fedsim.data.stats import plot_partitions
+
         plot_partitions(stats, out_dir / "partitions.png")
     except Exception as e:  # noqa: BLE001  (an optional figure)
         log.warning("partitions.png not written: %s", _one_line(e))
-    return None
+
+
+def start_figures() -> FigureWorker | None:
+    """The process that draws the run's pictures, or None (they are drawn in the run's process) when none starts."""
+    try:
+        return FigureWorker()
+    except OSError as e:
+        log.debug("pictures drawn in the run's process: %s", e)
+        return None

@@ -307,40 +307,49 @@ def test_stats_and_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_the_picture_drawn_by_another_process_is_the_same_picture(tmp_path):
+def test_pictures_drawn_by_the_figure_worker_are_the_same_pictures(tmp_path):
     import json
 
-    from fedsim.data.stats import BackgroundPlot
+    from fedsim.figures import FigureWorker, plot_curves
 
     stats = partition_stats(P.dirichlet(LABELS, 12, np.random.default_rng(1), alpha=0.3), LABELS, 10)
     (tmp_path / "partitions.json").write_text(json.dumps(stats))
-    here = plot_partitions(stats, tmp_path / "here.png")
-    job = BackgroundPlot(tmp_path / "partitions.json", tmp_path / "there.png")
-    assert job.wait(timeout=120) is None
-    assert (tmp_path / "there.png").read_bytes() == here.read_bytes()
+    records = [
+        {
+            "round": r,
+            "sim_time": 2.0 * r,
+            "eval_loss": 2 / (r + 1),
+            "eval_accuracy": r / 10,
+            "train_loss": 1 / (r + 1),
+        }
+        for r in range(6)
+    ]
+    plot_partitions(stats, tmp_path / "p-here.png")
+    plot_curves(records, tmp_path / "c-here.png", "a title")
+    worker = FigureWorker()
+    assert worker.draw("partitions", tmp_path / "p-there.png", stats=str(tmp_path / "partitions.json"))
+    assert worker.draw(
+        "curves", tmp_path / "c-there.png", records=records, title="a title", metric="accuracy"
+    )
+    assert worker.finish(timeout=120) == {
+        str(tmp_path / "p-there.png"): None,
+        str(tmp_path / "c-there.png"): None,
+    }
+    for name in ("p", "c"):
+        assert (tmp_path / f"{name}-there.png").read_bytes() == (tmp_path / f"{name}-here.png").read_bytes()
+    assert not worker.draw(
+        "curves", tmp_path / "late.png", records=records
+    )  # a finished worker takes no more
 
 
-def test_a_picture_that_cannot_be_drawn_elsewhere_says_why_in_one_line(tmp_path):
-    from fedsim.data.stats import BackgroundPlot
+def test_a_picture_the_worker_cannot_draw_says_why_in_one_line(tmp_path):
+    from fedsim.figures import FigureWorker
 
-    why = BackgroundPlot(tmp_path / "missing.json", tmp_path / "p.png").wait(timeout=120)
-    assert why is not None and "missing.json" in why and "\n" not in why
+    worker = FigureWorker()
+    worker.draw("partitions", tmp_path / "p.png", stats=str(tmp_path / "missing.json"))
+    why = worker.finish(timeout=120)[str(tmp_path / "p.png")]
+    assert why.startswith("FileNotFoundError") and "missing.json" in why and "\n" not in why
     assert not (tmp_path / "p.png").exists()
-
-
-def test_the_picture_is_drawn_here_when_no_process_can_start(tmp_path, monkeypatch):
-    import subprocess
-
-    from fedsim.run import write_partition_stats
-
-    def refuse(*args, **kwargs):
-        raise OSError("no processes left")
-
-    monkeypatch.setattr(subprocess, "Popen", refuse)
-    parts = P.iid(LABELS, 5, np.random.default_rng(0))
-    assert write_partition_stats(tmp_path, parts, LABELS, 10, background=True) is None
-    assert (tmp_path / "partitions.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "partitions.json").exists()
 
 
 def test_flwr_datasets_missing_says_how_to_install(monkeypatch):

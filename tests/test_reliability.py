@@ -681,6 +681,9 @@ def test_a_failed_plot_is_a_warning_and_a_failed_model_write_fails_the_run(tmp_p
     def no_space(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
+    import fedsim.run as run_mod
+
+    monkeypatch.setattr(run_mod, "start_figures", lambda: None)  # the pictures drawn in the run's process
     monkeypatch.setattr(recorder, "plot_curves", no_space)
     summary = run_tiny(tmp_path / "plot")
     assert summary["status"] == "completed" and (tmp_path / "plot" / "summary.json").exists()
@@ -691,8 +694,6 @@ def test_a_failed_plot_is_a_warning_and_a_failed_model_write_fails_the_run(tmp_p
         if Path(path).name == "model.pt":
             raise recorder.write_error(path, OSError(errno.ENOSPC, "No space left on device"))
         return real(obj, path)
-
-    import fedsim.run as run_mod
 
     monkeypatch.setattr(run_mod, "atomic_torch_save", model_fails)
     with pytest.raises(RunError, match=r"cannot write .*model\.pt: the disk is full"):

@@ -44,14 +44,51 @@ def test_run_folder_has_every_output(tmp_path):
     net.load_state_dict(torch.load(tmp_path / "model.pt"))
 
 
-def test_a_partition_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
-    from fedsim.data import stats
+def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
+    from fedsim import figures
 
-    monkeypatch.setattr(stats, "_DRAW", "raise SystemExit('matplotlib is broken here')")
+    monkeypatch.setattr(figures, "_SERVE", "import sys; sys.exit('matplotlib is broken here')")
     summary = run_tiny(tmp_path)
     assert summary["status"] == "completed"
-    assert not (tmp_path / "partitions.png").exists() and (tmp_path / "curves.png").exists()
+    assert not (tmp_path / "partitions.png").exists()
     assert "partitions.png not written: matplotlib is broken here" in caplog.text
+    assert (tmp_path / "curves.png").exists()  # drawn by the run itself: the worker had ended
+
+
+@pytest.mark.slow
+def test_the_run_never_imports_matplotlib_and_draws_here_when_no_process_starts(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from fedsim.config import FLOWER_ENV
+
+    code = """if True:
+        import subprocess, sys
+        from helpers import run_tiny
+        run_tiny(sys.argv[1])
+        print("IMPORTED", "matplotlib" in sys.modules)
+        def refuse(*args, **kwargs):
+            raise OSError("no processes left")
+        subprocess.Popen = refuse
+        run_tiny(sys.argv[2])
+        print("IMPORTED", "matplotlib" in sys.modules)
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "a"), str(tmp_path / "b")],
+        cwd=Path(__file__).parent,
+        env={**os.environ, **FLOWER_ENV},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert [ln for ln in out.stdout.splitlines() if ln.startswith("IMPORTED")] == [
+        "IMPORTED False",
+        "IMPORTED True",
+    ], out.stderr[-2000:]
+    for run in ("a", "b"):
+        for name in ("partitions.png", "curves.png"):
+            assert (tmp_path / run / name).read_bytes()[:4] == b"\x89PNG", (run, name)
 
 
 @pytest.mark.slow

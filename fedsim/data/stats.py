@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["BackgroundPlot", "label_entropy", "partition_stats", "plot_partitions"]
+__all__ = ["label_entropy", "partition_stats", "plot_partitions"]
 
 
 def label_entropy(counts: np.ndarray) -> np.ndarray:
@@ -128,51 +124,3 @@ def plot_partitions(stats: dict, path: str | Path, max_clients: int = 100) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     return path
-
-
-class BackgroundPlot:
-    """:func:`plot_partitions` of a ``partitions.json`` run by another Python process, while this one goes on.
-
-    A run draws ``partitions.png`` before its first round; matplotlib's import and the drawing take about 0.75 s,
-    which the run's own process would otherwise spend before training. The drawing process (a Python with this
-    process's ``sys.path``) reads the statistics from the file the run has written. Raises ``OSError`` when no
-    process can be started (draw in this process then).
-    """
-
-    def __init__(self, stats_json: str | Path, png: str | Path) -> None:
-        path = os.pathsep.join(
-            p for p in sys.path if p
-        )  # fedsim and its dependencies, wherever they came from
-        self.png = Path(png)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _DRAW, str(stats_json), str(png)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": path},
-        )
-
-    def wait(self, timeout: float = 300.0) -> str | None:
-        """Wait for the picture; None once it is written, else why it is not (one line)."""
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.cancel()
-            return f"drawing took more than {timeout:.0f} s"
-        if self.proc.returncode == 0:
-            return None
-        lines = [ln.strip() for ln in err.decode(errors="replace").splitlines() if ln.strip()]
-        return lines[-1] if lines else f"the drawing process ended with status {self.proc.returncode}"
-
-    def cancel(self) -> None:
-        """End the drawing process if it still runs."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
-
-
-def _plot_file(stats_json: str, png: str) -> None:
-    plot_partitions(json.loads(Path(stats_json).read_text()), png)
-
-
-_DRAW = "import sys; from fedsim.data.stats import _plot_file; _plot_file(sys.argv[1], sys.argv[2])"
