@@ -303,7 +303,7 @@ def _has_key(cfg, key: str) -> bool:
     return OmegaConf.select(cfg, key, default=missing, throw_on_resolution_failure=False) is not missing
 
 
-def unknown_key(argv: list[str]) -> str | None:
+def unknown_key(argv: list[str], remember: bool = False) -> str | None:
     """A message for the first override that names an option or a key the config does not have, else None.
 
     ``argv`` is a ``fedsim`` command line (or a list of overrides). Options and keys are looked up where Hydra
@@ -311,16 +311,17 @@ def unknown_key(argv: list[str]) -> str | None:
     ``--config-dir``, ``--config-path``/``--config-name``), so a user's ``conf/dataset/blobs.yaml`` makes
     ``dataset=blobs`` an option and a user's own group folder is a group. A group option that does not exist
     gets the options found; a key that does not exist gets the closest key. What Hydra cannot parse or compose
-    is left to Hydra's own message (None).
+    is left to Hydra's own message (None). With ``remember``, a command line that composes leaves its config in
+    ``COMPOSED`` for :func:`prepare_folders` (one composition fewer).
     """
     import warnings
 
     with warnings.catch_warnings():  # a search path folder that is not there: Hydra warns once, when it runs
         warnings.simplefilter("ignore")
-        return _unknown_key(argv)
+        return _unknown_key(argv, remember)
 
 
-def _unknown_key(argv: list[str]) -> str | None:
+def _unknown_key(argv: list[str], remember: bool) -> str | None:
     import difflib
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -331,6 +332,13 @@ def _unknown_key(argv: list[str]) -> str | None:
     if view is None:
         return None
     loader, config_name, overrides = view
+    try:  # the usual case: the whole command line composes, so every key exists (Hydra's config is struct)
+        cfg = loader.load_configuration(config_name, overrides, run_mode=RunMode.RUN)
+        if remember:
+            COMPOSED[tuple(argv)] = cfg
+        return None
+    except Exception:  # noqa: BLE001  (a key or option that does not exist, a sweep, ...: looked at below)
+        pass
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         searchpath = [o.input_line for o in parsed if o.get_key_element() == "hydra.searchpath"]
@@ -438,10 +446,12 @@ def prepare_folders(argv: list[str]) -> list[str]:
     overrides = [a for a in argv if not a.startswith("-")]
     if multirun:  # sweep syntax cannot be composed: only the overrides that choose one value
         overrides = [o for o in overrides if "," not in o and "(" not in o]
-    try:
-        cfg = compose(*overrides, return_hydra_config=True)
-    except Exception:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
-        return []
+    cfg = None if multirun else COMPOSED.pop(tuple(argv), None)  # composed by the unknown-key check
+    if cfg is None:
+        try:
+            cfg = compose(*overrides, return_hydra_config=True)
+        except Exception:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
+            return []
     if not multirun and cfg.get("resume"):  # before any folder is made or locked: a refusal touches nothing
         _check_resume(copy.deepcopy(cfg), open_dict)
     node = "sweep" if multirun else "run"
@@ -470,6 +480,7 @@ def prepare_folders(argv: list[str]) -> list[str]:
 
 
 RUN_FOLDER: dict = {}  # the single run's folder as it was before Hydra wrote into it (see undo_hydra_files)
+COMPOSED: dict = {}  # command line (tuple) -> its config with the hydra node, composed once for both checks
 
 
 def _read_folder(folder: Path) -> dict[str, bytes]:
@@ -542,7 +553,7 @@ def _main() -> None:
 
     errors.IGNORE_AFTER_INTERRUPT = True
     argv = sys.argv[1:]
-    msg = unknown_key(argv) or null_group(argv)
+    msg = unknown_key(argv, remember=True) or null_group(argv)
     if msg:
         print(f"fedsim: config error: {msg}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)

@@ -201,3 +201,23 @@ def test_the_command_ends_without_the_interpreters_last_collection(tmp_path):
     )
     results = [ln.split()[1:] for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
     assert results == [["0", "True"], ["2", "True"]], out.stdout + out.stderr
+
+
+def test_the_command_composes_its_config_once_for_both_checks(tmp_path, monkeypatch):
+    """The unknown-key check keeps the config it composed; the run folder is settled from it, not a new one."""
+    from fedsim import cli
+    from fedsim.recorder import unlock_run_folder
+
+    monkeypatch.setattr(cli, "RUN_FOLDER", {})
+    monkeypatch.setattr(cli, "COMPOSED", {})
+    argv = ["num_rounds=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    assert cli.unknown_key(argv) is None and not cli.COMPOSED  # the Python API's check keeps nothing
+    assert cli.unknown_key(argv, remember=True) is None and tuple(argv) in cli.COMPOSED
+    monkeypatch.setattr(cli, "compose", lambda *a, **k: pytest.fail("composed a second time"))
+    try:
+        assert cli.prepare_folders(argv) == []  # an explicit folder: nothing to add
+        assert cli.RUN_FOLDER["path"] == tmp_path / "run" and not cli.COMPOSED
+    finally:
+        unlock_run_folder(tmp_path / "run")
+    assert cli.unknown_key(["num_roundz=2"], remember=True).startswith("unknown config key 'num_roundz'")
+    assert not cli.COMPOSED
