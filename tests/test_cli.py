@@ -221,3 +221,13 @@ def test_the_command_composes_its_config_once_for_both_checks(tmp_path, monkeypa
         unlock_run_folder(tmp_path / "run")
     assert cli.unknown_key(["num_roundz=2"], remember=True).startswith("unknown config key 'num_roundz'")
     assert not cli.COMPOSED
+
+
+def test_help_names_the_command_and_its_three_uses(tmp_path):
+    out = fedsim("--help", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert first.startswith("fedsim: federated learning simulation"), first
+    for use in ("fedsim key=value", "fedsim -m ", "fedsim --cfg job"):
+        assert use in out.stdout, use
+    assert "strategy: " in out.stdout  # Hydra's list of groups and options follows
