@@ -435,9 +435,12 @@ def prepare_folders(argv: list[str]) -> list[str]:
 
     Command lines that do not run an experiment (``--help``, ``--cfg``, ``--info``...) are left to Hydra.
     """
+    from hydra.core.utils import setup_globals
     from omegaconf import OmegaConf, open_dict
 
     from fedsim.recorder import lock_run_folder
+
+    setup_globals()  # Hydra's resolvers (``${now:...}``): a config composed by the loader alone lacks them
 
     flags = [a for a in argv if a.startswith("-")]
     multirun = any(a in ("-m", "--multirun") for a in flags) or "hydra.mode=MULTIRUN" in argv
