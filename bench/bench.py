@@ -150,7 +150,7 @@ def plain_fedavg(
     xt, yt = torch.as_tensor(ds.x_test, device=device), torch.as_tensor(ds.y_test, device=device)
     glob = {k: v.clone() for k, v in model.state_dict().items()}
     cache: dict[int, tuple] = {}
-    times, acc = [], None
+    times, acc, start = [], None, time.time()
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
         acc_sum = {k: torch.zeros_like(v) for k, v in glob.items()}
@@ -191,6 +191,7 @@ def plain_fedavg(
         "rounds": times,
         "accuracy": acc,
         "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
+        "window": [start, time.time()],  # the rounds, wall clock (GPU samples are matched to it)
     }
 
 
@@ -283,6 +284,11 @@ def run_child(argv: list[str], timeout: float | None = None) -> dict:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
+    if os.environ.get("BENCH_STDERR_DIR"):  # keep each child's stderr (a run on a borrowed machine)
+        folder = Path(os.environ["BENCH_STDERR_DIR"])
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / "children.log", "a") as log:
+            log.write(f"==== {' '.join(argv)} (exit {proc.returncode}, {wall:.1f} s)\n{stderr[-20000:]}\n")
     if proc.returncode != 0 or not stdout.strip():
         lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
         return {"error": lines[-1][:200] if lines else f"exit code {proc.returncode}"}

@@ -37,7 +37,7 @@ BUDGET_S = 285  # stop starting new checks after this, so the whole check ends w
 CIFAR = ["dataset=synthetic_images", "dataset.shape=[3,32,32]", "model=cnn", "partitioner=iid"]
 MLP = ["num_clients=20", "clients_per_round=10", "num_rounds=3"]
 CNN_AGREE = [*CIFAR, "num_clients=20", "clients_per_round=10", "num_rounds=2", "client.local_steps=3"]
-CNN_TIME = [*CIFAR, "num_clients=1000", "clients_per_round=100", "num_rounds=3", "dataset.num_train=50000"]
+CNN_TIME = [*CIFAR, "num_clients=1000", "clients_per_round=100", "num_rounds=6", "dataset.num_train=50000"]
 SMALL = {  # --dry-run: the same checks, CPU-sized
     "agree-mlp": ["num_rounds=2"],
     "agree-cnn": ["num_clients=6", "clients_per_round=3", "dataset.num_train=600", "dataset.num_test=100"],
@@ -56,13 +56,21 @@ def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
     """One fedsim run in this process; its final model, round times and (optionally) the clients trained batched."""
     import torch
 
+    from fedsim import recorder
     from fedsim.cli import quiet_loggers
     from fedsim.config import compose
     from fedsim.engines import vectorized
     from fedsim.run import run_experiment
 
     quiet_loggers()
-    batched = []
+    batched, stamps = [], []
+    log = recorder.Recorder.log
+
+    def stamped(self, record):  # when each round's record is written (wall clock, to match the GPU samples)
+        stamps.append(time.time())
+        return log(self, record)
+
+    recorder.Recorder.log = stamped
     if count_batched:
         original = vectorized._train_bucket
 
@@ -74,6 +82,7 @@ def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
     try:
         summary = run_experiment(compose(*overrides, "quiet=true", "checkpoint_every=0"), out)
     finally:
+        recorder.Recorder.log = log
         if count_batched:
             vectorized._train_bucket = original
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +92,9 @@ def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
         "accuracy": summary["final_eval_accuracy"],
         "batched": sum(batched),
         "trained": sum(r.get("num_clients", 0) for r in recs),
+        "window": [stamps[0], stamps[-1]]
+        if len(stamps) > 1
+        else None,  # round 0's record .. the last round's
     }
 
 
@@ -253,16 +265,23 @@ class GpuSampler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             for line in self._query("--query-gpu=utilization.gpu"):
-                self.util.append(float(line) / 100)
+                self.util.append((time.time(), float(line) / 100))
             for line in self._query("--query-compute-apps=pid,used_memory"):
                 pid, mb = (x.strip() for x in line.split(","))
                 self.proc_mb[pid] = max(self.proc_mb.get(pid, 0.0), float(mb))
             time.sleep(0.2)
 
-    def figures(self) -> dict:
+    def figures(self, window: list[float] | None = None) -> dict:
+        """Busy fraction over the whole check and, given the rounds' ``window`` (wall clock), over the rounds."""
         if not self.available:
-            return {"busy": None, "proc_mb": {}}
-        return {"busy": sum(self.util) / len(self.util) if self.util else None, "proc_mb": self.proc_mb}
+            return {"busy": None, "busy_rounds": None, "proc_mb": {}}
+        inside = [u for t, u in self.util if window and window[0] <= t <= window[1]]
+        return {
+            "busy": _mean([u for _, u in self.util]),
+            "busy_rounds": _mean(inside),
+            "rounds_samples": len(inside),
+            "proc_mb": self.proc_mb,
+        }
 
 
 # ------------------------------------------------------------------------------------------------ parent side
@@ -321,7 +340,7 @@ def main() -> None:
         argv = [__file__, "--child", *child_args, "--device", device, *(["--small"] if args.dry_run else [])]
         with GpuSampler() as gpu:
             res = bench.run_child(argv, timeout=min(150, left))
-        res.update(gpu.figures())
+        res.update(gpu.figures(res.get("window")))
         results[name] = res
         print(f"  {section}/{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nfedsim GPU check on {where}; {bench.machine_line()}")
@@ -365,7 +384,7 @@ def main() -> None:
             + (" (small)" if args.dry_run else "")
         )
         print(
-            f"  {'variant':<18}{'round s':>9}{'torch/this':>11}{'GPU busy':>9}{'peak RSS MB':>12}"
+            f"  {'variant':<18}{'round s':>9}{'torch/this':>11}{'GPU busy':>9}{'in rounds':>10}{'peak RSS MB':>12}"
             f"{'batched':>10}  GPU MB per process"
         )
         base = timing.get("time-torch", {})
@@ -381,12 +400,17 @@ def main() -> None:
             batched = f"{r['batched']}/{r['trained']}" if name == "time-vectorized" else "-"
             print(
                 f"  {name:<18}{_fmt(per, '9.3f')}{_fmt(ratio, '11.2f')}{_fmt(busy, '9.0%')}"
+                f"{_fmt(r.get('busy_rounds'), '10.0%')}"
                 f"{_fmt(r.get('peak_mb'), '12.0f')}{batched:>10}  {r.get('proc_mb') or '-'}"
             )
     print(
         f"\ntotal {time.perf_counter() - t0:.0f} s; {'all checks passed' if not failed else f'{failed} check(s) failed'}"
     )
     sys.exit(1 if failed else 0)
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
 
 
 def _median(xs):

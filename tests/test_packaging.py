@@ -79,10 +79,16 @@ def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
     # every file git tracks in the three source folders is in the wheel (a subpackage missing from
     # pyproject's `packages` installs a fedsim that cannot import itself)
     tracked = subprocess.run(
-        ["git", "ls-files", "fedsim", "strategies", "conf"], cwd=clone, capture_output=True, text=True, check=True
+        ["git", "ls-files", "fedsim", "strategies", "conf"],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     where = {"fedsim": "fedsim", "strategies": "fedsim/strategies", "conf": "fedsim/conf"}
-    wanted = {where[t.split("/")[0]] + t[len(t.split("/")[0]) :] for t in tracked if t.endswith((".py", ".yaml"))}
+    wanted = {
+        where[t.split("/")[0]] + t[len(t.split("/")[0]) :] for t in tracked if t.endswith((".py", ".yaml"))
+    }
     assert wanted and not wanted - set(names), sorted(wanted - set(names))[:5]
 
 
