@@ -4,9 +4,9 @@ Three federations in turn, each one SuperLink (TLS off, loopback) and three Supe
 variants run (repeats interleaved):
 
 - ``warm-poll`` nodes: ``warm`` nodes whose idle poll is 0.25 s instead of Flower's 3 s
-  (``fedsim.deploy.node``, ``--node-poll 0.25``);
+  (``fedsim.deploy.node``; the default of ``python -m fedsim.deploy local``);
 - ``warm`` nodes: each SuperNode's ClientApp processes are forked from a process that has imported torch
-  (``fedsim.deploy.warm``, the default of ``python -m fedsim.deploy``);
+  (``fedsim.deploy.warm``), with Flower's 3 s idle poll (the default of ``python -m fedsim.deploy supernode``);
 - ``stock`` nodes: Flower's own SuperExec, a fresh ``flwr-clientapp`` interpreter per message
   (``--no-warm``).
 

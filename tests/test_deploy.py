@@ -961,9 +961,27 @@ def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(c
     assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm", "--node-poll", "0.25"]) == 0
     node = shlex.split(capsys.readouterr().out.splitlines()[-1][2:])
     assert node[1:6] == ["-m", "fedsim.deploy.node", "--poll", "0.25", "--"] and node[6] == "--superlink"
+    assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm", "--node-poll", "3"]) == 0
+    node = shlex.split(capsys.readouterr().out.splitlines()[-1][2:])
+    assert node[0] == "flower-supernode"  # Flower's own poll: Flower's own command
     with pytest.raises(SystemExit):
         main([*argv, "--num-partitions", "2", "--dry-run", "--node-poll", "0"])
     assert "expected seconds in [0.01, 60]" in capsys.readouterr().err
+
+
+def test_local_federations_poll_fast_by_default_and_remote_nodes_keep_flowers_poll():
+    from fedsim.deploy.__main__ import LOCAL_NODE_POLL, _parser
+    from fedsim.deploy.launch import Security, supernode_command
+
+    assert _parser().parse_args(["local"]).node_poll == LOCAL_NODE_POLL < 3
+    assert _parser().parse_args(["local", "--node-poll", "3"]).node_poll == 3
+    remote = ["supernode", "--superlink", "h:1", "--partition-id", "0", "--num-partitions", "2"]
+    assert _parser().parse_args(remote).node_poll is None
+    sec = Security(tls=False, auth=False, certs=None)
+    fast = supernode_command("h:1", 9, 0, 2, sec, poll=LOCAL_NODE_POLL)
+    assert fast[1:5] == ["-m", "fedsim.deploy.node", "--poll", f"{LOCAL_NODE_POLL:g}"]
+    for poll in (None, 3.0):
+        assert supernode_command("h:1", 9, 0, 2, sec, poll=poll)[0] == "flower-supernode"
 
 
 def test_the_node_poll_scales_only_the_sleeps_of_flowers_supernode_loop(monkeypatch):
@@ -1017,16 +1035,17 @@ def test_certificates_aimed_at_a_file_are_one_line(tmp_path, capsys):
 @needs_flower
 @pytest.mark.slow  # starts Flower's processes
 def test_local_command_runs_warm_fast_polling_nodes_and_leaves_nothing_running(tmp_path):
-    """The README's one-machine command, with TLS, node authentication, warm nodes and ``--node-poll``."""
+    """The README's one-machine command, with TLS, node authentication, warm nodes and (by default) fast polls."""
     work, out = tmp_path / "work", tmp_path / "run"
-    cmd = [sys.executable, "-m", "fedsim.deploy", "local", "--nodes", "2", "--tls", "--auth", "--node-poll"]
-    cmd += ["0.25", "--workdir", str(work), "--out-dir", str(out), "--overrides", "num_rounds=2"]
+    cmd = [sys.executable, "-m", "fedsim.deploy", "local", "--nodes", "2", "--tls", "--auth"]
+    cmd += ["--workdir", str(work), "--out-dir", str(out), "--overrides", "num_rounds=2"]
     env = {**os.environ, **FLOWER_ENV}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds_done"] == 2 and summary["total_failures"] == 0
     assert len(list((work / "partition-cache").glob("partition-*.npz"))) == 2  # each node cached its share
+    assert res.stdout.count("-m fedsim.deploy.node --poll 0.25 --") == 2  # local's nodes poll fast by default
     logs = "".join(p.read_text(errors="replace") for p in (work / "logs").glob("supernode*-warm.log"))
     assert logs.count("fedsim warm SuperExec: preloaded") == 2
     left = []

@@ -57,6 +57,9 @@ def app_folder(given: Path | None) -> Path:
     )
 
 
+LOCAL_NODE_POLL = 0.25  # seconds: the idle poll of `local`'s SuperNodes (fedsim.deploy.node)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m fedsim.deploy",
@@ -97,9 +100,10 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument(
         "--node-poll",
         type=_poll,
-        default=None,
-        help="the SuperNodes' idle poll in seconds through fedsim.deploy.node (default: Flower's 3 s; 0.25 makes small "
-        "federations' rounds seconds faster, at 3/POLL times the idle requests to the SuperLink)",
+        default=LOCAL_NODE_POLL,
+        help=f"the SuperNodes' idle poll in seconds through fedsim.deploy.node (default {LOCAL_NODE_POLL:g}: a "
+        "federation on one machine is a handful of nodes, and Flower's 3 s would make every round wait up to "
+        "3 s; 3 runs Flower's own SuperNode command)",
     )
     loc.add_argument(
         "--no-warm",
@@ -182,8 +186,8 @@ def _parser() -> argparse.ArgumentParser:
         "--node-poll",
         type=_poll,
         default=None,
-        help="this SuperNode's idle poll in seconds through fedsim.deploy.node (default: Flower's 3 s; 0.25 makes small "
-        "federations' rounds seconds faster, at 3/POLL times the idle requests to the SuperLink)",
+        help="this SuperNode's idle poll in seconds through fedsim.deploy.node (default: Flower's 3 s; 0.25 makes "
+        "small federations' rounds seconds faster, at 3/POLL times the idle requests to the SuperLink)",
     )
     n.add_argument(
         "--no-warm",

@@ -237,10 +237,12 @@ def supernode_command(
     ``ca`` overrides ``sec.ca`` (the CA certificate that signed the SuperLink's certificate). ``warm_secret``:
     the node runs with ``--isolation process`` and leaves its ClientApps to ``warm_command``'s process,
     which proves this shared secret. ``poll``: the node's idle poll in seconds, through
-    :mod:`fedsim.deploy.node` (``None``: Flower's own command and its 3 s).
+    :mod:`fedsim.deploy.node` (``None`` or Flower's own 3 s: Flower's own command).
     """
+    from fedsim.deploy.node import FLOWER_IDLE_POLL
+
     cmd = ["flower-supernode", "--superlink", superlink]
-    if poll is not None:
+    if poll is not None and poll != FLOWER_IDLE_POLL:
         cmd = [
             sys.executable,
             "-m",

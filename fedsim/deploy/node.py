@@ -6,7 +6,8 @@ message therefore waits up to 3 s on every node: with three local nodes and a sm
 deployed round. This runs Flower's own SuperNode command unchanged except that the sleeps of that loop are
 scaled by ``poll / 3`` (``--poll 0.25``: idle pulls every 0.25 s, reply checks every 0.04 s). Each idle node
 then asks the SuperLink ``3 / poll`` times as often: fine for a handful of nodes, not for thousands (keep
-Flower's 3 s there; ``fedsim.deploy`` uses this only when ``--node-poll`` is given)::
+Flower's 3 s there). ``python -m fedsim.deploy local`` runs its nodes through this with a 0.25 s poll by
+default; ``python -m fedsim.deploy supernode`` only when ``--node-poll`` is given::
 
     python -m fedsim.deploy.node --poll 0.25 -- --superlink 127.0.0.1:9092 --insecure --node-config ...
 """
