@@ -55,3 +55,44 @@ def test_summary_and_sweep_summary_carry_the_total_bytes_and_curves_plot_against
     assert {"total_bytes_up", "total_bytes_down"} <= set(columns_for([summary]))
     height = matplotlib.image.imread(tmp_path / "curves.png").shape[0]
     assert height == 1050  # three rows: round, simulated time, cumulative bytes (3.5 in each at 100 dpi)
+
+
+def test_sizes_equal_flowers_own_encoding_byte_for_byte():
+    """The arrays are sized without encoding them; Flower's encoder is the oracle, over random records:
+    empty and long keys (multi-byte length prefixes), empty and large arrays, metric and config records."""
+    from flwr.app import MetricRecord
+    from flwr.common.serde import recorddict_to_proto
+
+    from fedsim.comm import recorddict_bytes
+
+    rng = np.random.default_rng(0)
+    for _ in range(150):
+        records = {}
+        for r in range(int(rng.integers(0, 4))):
+            name = "" if rng.random() < 0.1 else "k" * int(rng.integers(1, 200)) + "é"
+            kind = int(rng.integers(0, 3))
+            if kind == 0:
+                arrays = {}
+                for a in range(int(rng.integers(0, 5))):
+                    n = int(rng.choice([0, 1, 100, 20000, 300000]))  # 300000 float32: a 3-byte length prefix
+                    shape = (n,) if rng.random() < 0.5 else (1, n)
+                    arrays["" if rng.random() < 0.1 else f"p{a}" * int(rng.integers(1, 90))] = Array(
+                        np.zeros(shape, np.float32 if rng.random() < 0.5 else np.float64)
+                    )
+                records[name + str(r)] = ArrayRecord(arrays)
+            elif kind == 1:
+                records[name + str(r)] = MetricRecord({"a": 1, "b": 2.5, "c": [1.0, 2.0]})
+            else:
+                text, raw = "x" * int(rng.integers(0, 300)), b"\0" * int(rng.integers(0, 200))
+                records[name + str(r)] = ConfigRecord({"s": text, "b": raw, "t": True})
+        content = RecordDict(records)
+        assert recorddict_bytes(content) == recorddict_to_proto(content).ByteSize(), list(records)
+    empty = RecordDict(
+        {
+            "a": ArrayRecord({"w": Array(dtype="float32", shape=(0,), stype="numpy.ndarray", data=b"")}),
+            "b": ArrayRecord({}),
+        }
+    )
+    assert (
+        recorddict_bytes(empty) == recorddict_to_proto(empty).ByteSize()
+    )  # an empty data field is not written
