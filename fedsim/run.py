@@ -363,6 +363,12 @@ class Run:
             why.update({f"client failures ({k})": n for k, n in (r.get(schema.FAILURE_KINDS) or {}).items()})
             why["dropped out"] += int(r.get(schema.DROPPED_OUT) or 0)
             why["past the deadline"] += int(r.get(schema.DROPPED_LATE) or 0)
+            nobody = (
+                r.get(schema.BYTES_DOWN) == 0
+                and not r.get(schema.DROPPED_OUT)
+                and not r.get(schema.DROPPED_LATE)
+            )
+            why["empty cohort"] += nobody  # nothing sent: e.g. DP's Poisson sampling drew no client
         causes = ", ".join(f"{k}: {n}" for k, n in why.items() if n) or "no valid replies"
         return (
             f"no round aggregated an update: all {len(done)} round(s) were skipped ({causes}); "

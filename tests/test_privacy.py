@@ -180,9 +180,9 @@ class _Tap:
 def test_no_message_to_a_client_carries_the_noise_seed(tmp_path, monkeypatch, noise_seed):
     tap = _Tap(monkeypatch)
     extra = [] if noise_seed is None else [f"clipping.noise_seed={noise_seed}"]
-    summary = run_tiny(
+    summary = run_tiny(  # 4 rounds: a drawn seed's Poisson cohorts (q = 0.5 of 6) are all empty 1 in 64^4
         tmp_path, "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client",
-        "federated_eval=true", *extra,
+        "federated_eval=true", "num_rounds=4", *extra,
     )  # fmt: skip
     secret = str(summary["noise_seed"])
     assert noise_seed is None or secret == str(noise_seed)
@@ -233,8 +233,10 @@ def test_the_run_seed_no_longer_regenerates_the_noise(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- 3. only private releases about clients
 @pytest.mark.slow
 def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
+    # a noise seed whose Poisson cohorts are not empty (an entropy-drawn one leaves both rounds empty 1 in 4096)
+    ns = f"clipping.noise_seed={seed_where(lambda s: min(s) >= 1, 6, 3, 2)}"
     run_tiny(
-        tmp_path / "private", "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client"
+        tmp_path / "private", "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client", ns
     )
     fields = set().union(*[set(r) for r in read_metrics(tmp_path / "private")])
     assert {"epsilon", "noisy_unclipped_fraction", "clip_norm", "noise_std"} <= fields
@@ -245,9 +247,19 @@ def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
         "clipping.noise_multiplier=1.0",
         "clipping.side=client",
         "clipping.debug_metrics=true",
+        ns,
     )
     fields = set().union(*[set(r) for r in read_metrics(tmp_path / "debug")])
     assert {"clipped_fraction", "clipped", "update_norm"} <= fields
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_poisson_cohort_is_empty_says_so(tmp_path):
+    from fedsim.errors import RunError
+
+    ns = seed_where(lambda s: max(s) == 0, 6, 3, 1)  # q = 0.5 of 6: an empty cohort 1 in 64
+    with pytest.raises(RunError, match=r"all 1 round\(s\) were skipped \(empty cohort: 1\)"):
+        run_tiny(tmp_path, *DP, "num_rounds=1", f"clipping.noise_seed={ns}")
 
 
 # ---------------------------------------------------------------- resume
@@ -256,10 +268,11 @@ def test_a_resumed_dp_run_keeps_its_drawn_noise_seed(tmp_path):
     """noise_seed null: the seed drawn from OS entropy is checkpointed, so the resumed run is the run that a
     fresh one with that seed set explicitly would have been, bit for bit."""
     over = ["clipping=adaptive", "clipping.noise_multiplier=0.5", "checkpoint_every=2"]
-    part = run_tiny(tmp_path / "part", *over, "num_rounds=2")
-    resumed = run_tiny(tmp_path / "resumed", *over, "num_rounds=4", f"resume={tmp_path / 'part'}")
-    assert resumed["noise_seed"] == part["noise_seed"] and resumed["rounds_accounted"] == 4
-    run_tiny(tmp_path / "full", *over, "num_rounds=4", f"clipping.noise_seed={part['noise_seed']}")
+    # 4 rounds first: a drawn seed's Poisson cohorts (q = 0.5 of 6) are all empty 1 in 64^4 (the run fails)
+    part = run_tiny(tmp_path / "part", *over, "num_rounds=4")
+    resumed = run_tiny(tmp_path / "resumed", *over, "num_rounds=6", f"resume={tmp_path / 'part'}")
+    assert resumed["noise_seed"] == part["noise_seed"] and resumed["rounds_accounted"] == 6
+    run_tiny(tmp_path / "full", *over, "num_rounds=6", f"clipping.noise_seed={part['noise_seed']}")
     assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
         read_metrics(tmp_path / "full")
     )
