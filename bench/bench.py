@@ -284,7 +284,7 @@ def run_child(argv: list[str], timeout: float | None = None) -> dict:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
-    if os.environ.get("BENCH_STDERR_DIR"):  # keep each child's stderr (a run on a borrowed machine)
+    if os.environ.get("BENCH_STDERR_DIR"):  # keep each child's stderr (e.g. a run on a remote machine)
         folder = Path(os.environ["BENCH_STDERR_DIR"])
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / "children.log", "a") as log:

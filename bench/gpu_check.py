@@ -92,9 +92,8 @@ def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
         "accuracy": summary["final_eval_accuracy"],
         "batched": sum(batched),
         "trained": sum(r.get("num_clients", 0) for r in recs),
-        "window": [stamps[0], stamps[-1]]
-        if len(stamps) > 1
-        else None,  # round 0's record .. the last round's
+        # wall clock from round 0's record to the last round's
+        "window": [stamps[0], stamps[-1]] if len(stamps) > 1 else None,
     }
 
 

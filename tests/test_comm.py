@@ -93,6 +93,5 @@ def test_sizes_equal_flowers_own_encoding_byte_for_byte():
             "b": ArrayRecord({}),
         }
     )
-    assert (
-        recorddict_bytes(empty) == recorddict_to_proto(empty).ByteSize()
-    )  # an empty data field is not written
+    # an empty data field is not written
+    assert recorddict_bytes(empty) == recorddict_to_proto(empty).ByteSize()

@@ -17,6 +17,17 @@ from fedsim.config import FLOWER_ENV
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tracked_sources(checkout: Path) -> list[str]:
+    """The files git tracks in the checkout's three source folders (fedsim/, strategies/, conf/)."""
+    return subprocess.run(
+        ["git", "ls-files", "fedsim", "strategies", "conf"],
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+
+
 @pytest.mark.slow  # a fedsim subprocess
 def test_fedsim_runs_from_a_folder_holding_its_own_strategies_package(tmp_path):
     # a research project with its own `strategies` package (and a PyPI package of that name could exist too)
@@ -78,16 +89,11 @@ def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
     assert "fedsim/strategies/base.py" in names and "fedsim/conf/config.yaml" in names
     # every file git tracks in the three source folders is in the wheel (a subpackage missing from
     # pyproject's `packages` installs a fedsim that cannot import itself)
-    tracked = subprocess.run(
-        ["git", "ls-files", "fedsim", "strategies", "conf"],
-        cwd=clone,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
     where = {"fedsim": "fedsim", "strategies": "fedsim/strategies", "conf": "fedsim/conf"}
     wanted = {
-        where[t.split("/")[0]] + t[len(t.split("/")[0]) :] for t in tracked if t.endswith((".py", ".yaml"))
+        where[t.split("/")[0]] + t[len(t.split("/")[0]) :]
+        for t in tracked_sources(clone)
+        if t.endswith((".py", ".yaml"))
     }
     assert wanted and not wanted - set(names), sorted(wanted - set(names))[:5]
 
@@ -103,13 +109,7 @@ def test_the_app_bundle_holds_every_file_the_apps_run_and_nothing_else():
     if not (root / ".git").exists():
         pytest.skip("needs the git checkout")
     names = set(zipfile.ZipFile(io.BytesIO(build_fab_from_disk(root))).namelist())
-    tracked = subprocess.run(
-        ["git", "ls-files", "fedsim", "strategies", "conf"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split()
+    tracked = tracked_sources(root)
     assert tracked and set(tracked) <= names, sorted(set(tracked) - names)[:5]
     assert not {n for n in names if n.split("/")[0] in ("tests", "docs", "bench", "notebooks")}
     assert "LICENSE" in names
