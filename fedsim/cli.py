@@ -16,6 +16,7 @@ second get their own folders), and checks a ``resume`` against its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -30,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fedsim.config import compose, flower_env
+from fedsim.config import compose, flower_env, quiet_loggers
 from fedsim.errors import ConfigError, Interrupted, RunError
 
 flower_env()
@@ -38,15 +39,15 @@ os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
 EXIT_CONFIG = 2
 EXIT_STATUS = 0  # set by the task: 128 + N for a run interrupted by signal N
+TRACKING_FAILED: list[str] = []  # run folders whose callbacks (tracking) failed: the command exits 1
 
 
-def quiet_loggers() -> None:
-    """Keep the console to fedsim's progress lines: Flower's INFO chatter and deprecation notices off."""
-    flwr_log = logging.getLogger("flwr")
-    flwr_log.setLevel(logging.ERROR)
-    flwr_log.propagate = False
-    for name in ("alembic", "ray"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+def progress_to_log_file() -> None:
+    """Send the progress lines (``fedsim.progress``) to the job's log file (Hydra's ``cli.log``) too."""
+    from fedsim.recorder import progress_log
+
+    progress_log.setLevel(logging.INFO)
+    progress_log.handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
 
 
 def _task(cfg: DictConfig) -> float | None:
@@ -92,6 +93,7 @@ def _run_job(cfg: DictConfig) -> dict | None:
 
     hc = HydraConfig.get()
     quiet_loggers()
+    progress_to_log_file()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     multirun = hc.mode == RunMode.MULTIRUN
     if multirun:  # a sweep folder used again: no earlier job's result may stand for this one
@@ -129,8 +131,29 @@ def _run_job(cfg: DictConfig) -> dict | None:
             EXIT_STATUS = 128 + signum
             if multirun:  # stop the sweep: the jobs after this one do not start
                 raise Interrupted(signum)
+        else:
+            if summary.get("callback_errors"):
+                TRACKING_FAILED.append(str(Path(hc.runtime.output_dir).resolve()))
+            line = outputs_line(summary, hc.runtime.output_dir)
+            logging.getLogger("fedsim.progress").info(line)
+            if not multirun:
+                print(line, file=sys.stderr, flush=True)
         return summary
     return None
+
+
+def outputs_line(summary: dict, out_dir: str | Path) -> str:
+    """The run's last line: how it ended and where its outputs are (relative to the working directory)."""
+    folder = Path(out_dir)
+    with contextlib.suppress(ValueError):
+        folder = folder.resolve().relative_to(Path.cwd())
+    metric = next((k for k in summary if k.startswith("final_eval_") and summary[k] is not None), None)
+    score = f", {metric[len('final_eval_') :]} {summary[metric]:.4f}" if metric else ""
+    files = [f for f in ("metrics.jsonl", "summary.json", "model.pt", "curves.png") if (folder / f).exists()]
+    return (
+        f"fedsim: {summary.get('status')} after {summary.get('rounds_done', 0)} rounds{score}; "
+        f"outputs in {folder}/ ({', '.join(files)})"
+    )
 
 
 def _signal_number(name: str | None) -> int:
@@ -576,6 +599,14 @@ def _main() -> None:
     failed = sorted(set(FAILED_JOBS) | set(sweep.FAILED_JOBS))
     if failed:
         print(f"fedsim: {len(failed)} run(s) of the sweep failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+    untracked = sorted(set(TRACKING_FAILED) | set(sweep.TRACKING_FAILED))
+    if untracked:
+        print(
+            f"fedsim: tracking (logger= or callbacks=) failed for {len(untracked)} run(s); their results are "
+            f"complete, their callback_errors in summary.json say why: {', '.join(untracked)}",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if EXIT_STATUS:
         _exit(EXIT_STATUS)

@@ -47,6 +47,8 @@ def test_a_failing_callback_is_warned_about_once_and_the_run_goes_on(tmp_path, c
     assert summary["status"] == "completed" and summary["rounds_done"] == 2
     warnings = [r for r in caplog.records if "callback Broken failed" in r.getMessage()]
     assert len(warnings) == 1 and "tracker down" in warnings[0].getMessage()
+    written = json.loads((tmp_path / "summary.json").read_text())  # kept for the command's exit status
+    assert written["callback_errors"] == ["Broken.on_round: RuntimeError: tracker down"]
 
 
 @pytest.mark.slow
@@ -64,7 +66,7 @@ def test_callbacks_and_loggers_that_cannot_be_built_are_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if the extra were not installed
     with pytest.raises(ConfigError) as e:
         build_experiment(compose_cfg(*TINY, "logger=wandb"))
-    assert e.value.key == "logger" and "pip install 'fedsim[wandb]'" in str(e.value)
+    assert e.value.key == "logger" and 'pip install -e ".[wandb]"' in str(e.value)
 
 
 def test_scalars_flatten_nested_fields_and_keep_booleans_as_numbers():
