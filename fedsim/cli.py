@@ -52,7 +52,17 @@ def progress_to_log_file() -> None:
 
 def _task(cfg: DictConfig) -> float | None:
     """One Hydra job: run the experiment; return its objective for a sweeper (see :func:`objective`)."""
-    summary = _run_job(cfg)
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        summary = _run_job(cfg)
+    else:
+        from fedsim.sweep import job_slot
+
+        with job_slot(hc.sweep.dir) as why:
+            if why is not None:  # the sweep was stopped while this job waited in its launcher's queue
+                _record_failure(Path(hc.runtime.output_dir), f"not started: the sweep was stopped by {why}")
+                return None
+            summary = _run_job(cfg)
     return None if summary is None else objective(summary, cfg)
 
 
@@ -129,7 +139,11 @@ def _run_job(cfg: DictConfig) -> dict | None:
                 flush=True,
             )
             EXIT_STATUS = 128 + signum
-            if multirun:  # stop the sweep: the jobs after this one do not start
+            from fedsim.sweep import BASIC_LAUNCHER
+
+            # stop the sweep: the jobs after this one do not start (a launcher that runs jobs in other
+            # processes is stopped by its parent, fedsim.sweep.SweepStop: the job just ends, its outputs written)
+            if multirun and hc.launcher._target_ == BASIC_LAUNCHER:
                 raise Interrupted(signum)
         else:
             if summary.get("callback_errors"):
@@ -589,13 +603,22 @@ def _main() -> None:
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
-    except KeyboardInterrupt as e:
-        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+    except BaseException as e:
+        if sweep.STOP.signum is None and not isinstance(e, KeyboardInterrupt):
+            raise
+        # a signal: in this process's run (basic launcher), or passed on to the launcher's job processes,
+        # whose end (a job interrupted, a worker gone) ends the launcher too
+        signum = sweep.STOP.signum or (e.signum if isinstance(e, Interrupted) else int(signal.SIGINT))
         if not EXIT_STATUS:  # before any run had its outputs written
             print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         if sweep.LAST_SWEEP is not None:
             sweep.LAST_SWEEP.summarise()
         _exit(128 + signum)
+    if sweep.STOP.signum is not None:  # every job ended by itself after the signal reached it
+        print(
+            f"fedsim: sweep stopped by {signal.Signals(sweep.STOP.signum).name}", file=sys.stderr, flush=True
+        )
+        _exit(128 + sweep.STOP.signum)
     failed = sorted(set(FAILED_JOBS) | set(sweep.FAILED_JOBS))
     if failed:
         print(f"fedsim: {len(failed)} run(s) of the sweep failed: {', '.join(failed)}", file=sys.stderr)

@@ -253,7 +253,10 @@ def server_app(
         for key, value in given.items():
             if value and not str(run_config.get(key, "") or "").strip():
                 run_config[key] = value
-        serve(grid, run_config)
+        try:
+            serve(grid, run_config)
+        except DeployConfigError as e:  # run_simulation would print the traceback of its ServerApp thread
+            log.error("%s", e)
 
     return made
 

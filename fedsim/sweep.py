@@ -254,6 +254,8 @@ class SweepSummary(Callback):
         self.jobs, self.config, self.started = set(), config, time.time()
         LAST_SWEEP = self
         self.bar = sweep_bar(config)
+        if OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
+            STOP.arm(Path(config.hydra.sweep.dir))  # jobs in other processes: the parent must pass signals on
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         num = OmegaConf.select(config, "hydra.job.num")
@@ -289,3 +291,115 @@ class SweepSummary(Callback):
             str((sweep_dir / str(r["job"])).resolve()) for r in rows if r.get("callback_errors")
         ]
         print(f"fedsim: sweep summary of {len(rows)} runs in {sweep_dir / 'sweep_summary.csv'}")
+
+
+STOP_MARKER = ".fedsim-stop"  # in the sweep folder: the sweep was stopped; jobs not started yet do not start
+JOBS_FOLDER = ".fedsim-jobs"  # in the sweep folder: one empty file per running job, named by its process id
+
+
+class SweepStop:
+    """Signals to the parent of a sweep whose launcher runs the jobs in other processes (joblib, submitit).
+
+    SIGINT, SIGTERM and SIGHUP to the parent are passed on to every running job (each then ends as a single
+    run does: outputs written, summary ``interrupted``), a marker in the sweep folder keeps queued jobs from
+    starting, the sweep summary is written, and the command exits 128 + the signal. A second signal kills
+    every process the parent started at once.
+    """
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.sweep_dir: Path | None = None
+
+    def arm(self, sweep_dir: Path) -> None:
+        import signal
+        import threading
+
+        self.sweep_dir, self.signum = sweep_dir, None
+        (sweep_dir / STOP_MARKER).unlink(missing_ok=True)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.NAMES:
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import contextlib
+        import os
+        import signal
+
+        if self.signum is not None:  # a second signal: no more waiting
+            for pid in descendants(os.getpid()):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        self.signum = signum
+        if self.sweep_dir is None:
+            return
+        with contextlib.suppress(OSError):  # first the marker, then the running jobs (see job_slot)
+            (self.sweep_dir / STOP_MARKER).write_text(signal.Signals(signum).name + "\n")
+        jobs = self.sweep_dir / JOBS_FOLDER
+        for entry in jobs.iterdir() if jobs.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(entry.name), signum)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid``, at any depth (Linux: read from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past "(comm)"
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stopped(sweep_dir: str | Path) -> str | None:
+    """The signal that stopped the sweep in ``sweep_dir``, or None."""
+    try:
+        return (Path(sweep_dir) / STOP_MARKER).read_text().strip() or "a signal"
+    except OSError:
+        return None
+
+
+def job_slot(sweep_dir: str | Path):
+    """Context manager around one sweep job: the run's signal guard from the start, the job's process listed
+    in the sweep folder for the parent to signal, and (as the value) the signal that stopped the sweep
+    before this job began, or None.
+
+    The job lists itself before it reads the stop marker, and the parent writes the marker before it reads
+    the list: a job either sees the marker or receives the signal.
+    """
+    import contextlib
+    import os
+
+    from fedsim.errors import signals
+
+    @contextlib.contextmanager
+    def slot():
+        folder = Path(sweep_dir) / JOBS_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = folder / str(os.getpid())
+        with signals():
+            mine.touch()
+            try:
+                yield stopped(sweep_dir)
+            finally:
+                mine.unlink(missing_ok=True)
+
+    return slot()
+
+
+STOP = SweepStop()

@@ -171,3 +171,57 @@ def test_sweep_summary_has_a_column_per_swept_key_and_curves_named_by_their_valu
 
     labels = plot_sweep(tmp_path, rows, swept_keys(rows))
     assert labels == [f"strategy={s} client.lr={lr}" for s, lr in grid]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_sigterm_to_a_sweep_launchers_parent_stops_its_jobs_with_their_outputs(tmp_path, launcher):
+    """The jobs run in other processes: the signal reaches each running job, which writes its outputs as a
+    single run does; queued jobs never start; nothing outlives the command, which exits 143."""
+    import signal
+    import time
+
+    from fedsim.sweep import descendants
+
+    pytest.importorskip(f"hydra_plugins.hydra_{launcher.split('_')[0]}_launcher")
+    proc = fedsim_cli(
+        "-m",
+        f"hydra/launcher={launcher}",
+        *(["hydra.launcher.n_jobs=2"] if launcher == "joblib" else []),
+        "seed=0,1",
+        "num_rounds=5000",
+        "checkpoint_every=0",
+        "hydra.sweep.dir=sweep",
+        *TINY[:2],
+        "quiet=true",
+        cwd=tmp_path,
+        background=True,
+    )
+    sweep = tmp_path / "sweep"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = [len(p.read_text().splitlines()) for p in sweep.glob("*/metrics.jsonl")]
+        if len(done) == 2 and min(done) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    children = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-4000:]
+    for job in (sweep / "0", sweep / "1"):
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+        assert summary["rounds_done"] == len((job / "metrics.jsonl").read_text().splitlines()) - 1
+    assert (sweep / "sweep_summary.csv").exists()
+    time.sleep(1.0)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
+    assert not alive, alive
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0].lower()
+    except (OSError, IndexError):
+        return "zombie"
