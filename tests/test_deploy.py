@@ -164,6 +164,96 @@ def test_pyproject_declares_the_flower_app():
     assert set(tool["config"]) == {"overrides", "out-dir", "nodes"}
 
 
+# ---- nothing runs because of a message (insider: a registered node addressing another) --------------
+
+
+def _node_context(overrides: str, partition_id: int = 0, node: dict | None = None):
+    """The Context a deployed SuperNode's ClientApp gets: the operator's run config, the node's own config."""
+    from flwr.app import Context, RecordDict
+
+    node_config = {"partition-id": partition_id, "num-partitions": N, **(node or {})}
+    run_config = {"overrides": overrides, "out-dir": "", "nodes": ""}
+    return Context(run_id=7, node_id=100, node_config=node_config, state=RecordDict(), run_config=run_config)
+
+
+def _instruction(spec: str, kind: str = "train", arrays=None):
+    """A fedsim instruction from node 1 to node 0 (Flower's Fleet lets any registered node address any other)."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedsim import keys
+
+    records = {keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec, keys.SERVER_ROUND: 1})}
+    if arrays is not None:
+        records[keys.ARRAYS] = arrays
+    return message(src=1, dst=0, content=RecordDict(records), kind=kind)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [" ".join(TINY), " ".join([*TINY, "strategy=scaffold"]), " ".join([*TINY, "strategy=fedbuff"])],
+)
+def test_a_node_derives_the_spec_fedsims_server_sends(overrides):
+    """An honest message is never refused: the node composes exactly the spec the ServerApp sends (the
+    strategy's client half included)."""
+    from fedsim.client_app import spec_from_overrides
+    from fedsim.experiment import build_experiment
+
+    cfg, _, _ = experiment_from({"overrides": overrides})
+    assert spec_from_overrides(overrides) == build_experiment(cfg, deployed=True).spec_json
+
+
+def test_a_crafted_instruction_builds_nothing_on_the_node_it_is_pushed_to(tmp_path, monkeypatch):
+    """Insider probe: node 1 pushes node 0 instructions whose run spec names ``_target_``s that write a file
+    (``pathlib.Path.write_text``) or unpickle one (``numpy.load(allow_pickle=True)``), delivered through
+    Flower's own ClientApp dispatch with node 0's deployed Context: each is refused with one line, nothing is
+    instantiated, no file appears; the operator's spec still serves an honest message."""
+    import pickle
+
+    from fedsim import build
+    from fedsim.client_app import SpecRefused, app, spec_from_overrides
+
+    overrides = " ".join(TINY)
+    honest = spec_from_overrides(overrides)
+    marker, payload = tmp_path / "ran", tmp_path / "payload.npy"
+    payload.write_bytes(pickle.dumps(_WriteOnLoad(str(tmp_path / "unpickled"))))
+    write = {"_target_": "pathlib.Path.write_text", "_args_": [str(marker), "foreign code ran"]}
+    load = {"_target_": "numpy.load", "file": str(payload), "allow_pickle": True}
+    crafted = []
+    for section, node in [("dataset", write), ("model", load), ("partitioner", write), ("task", load)]:
+        crafted.append({**json.loads(honest), section: node})
+    crafted.append(
+        {**json.loads(honest), "client": {**json.loads(honest)["client"], "_target_": "numpy.load"}}
+    )
+    built = []
+    monkeypatch.setattr(build, "instantiate", lambda *a, **k: built.append(a) or pytest.fail("instantiated"))
+    build.client_task.cache_clear()
+    context = _node_context(overrides, node={"cache-dir": str(tmp_path / "cache")})
+    for spec in crafted:
+        for kind in ("train", "evaluate", "query"):
+            with pytest.raises(SpecRefused) as err:
+                app(_instruction(json.dumps(spec), kind), context)
+            line = str(err.value)
+            assert "\n" not in line and "from node 1" in line and "nothing was built" in line
+    assert not built and sorted(p.name for p in tmp_path.iterdir()) == ["cache", "payload.npy"]
+    (cached,) = (tmp_path / "cache").iterdir()  # the spec the node derived, kept for the run's next messages
+    assert cached.read_text() == honest and cached.stat().st_mode & 0o777 == 0o600
+    monkeypatch.undo()
+    reply = app(
+        _instruction(json.dumps(json.loads(honest), indent=1), "query"), context
+    )  # same spec, other text
+    assert reply.content["metrics"]["partition-id"] == 0
+
+
+class _WriteOnLoad:
+    """A pickle that writes a file when it is loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "unpickled"))
+
+
 # ---- nodes bound to partitions -------------------------------------------------------------------------
 
 
