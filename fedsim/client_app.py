@@ -22,6 +22,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
@@ -77,7 +78,15 @@ def spec_from_overrides(overrides: str) -> str:
         cfg, _, _ = experiment_from({OVERRIDES: overrides})
         spec = json.loads(client_spec(cfg, device=str(cfg.placement.device)))
         # the cohort only sizes the strategy's own checks: the largest one passes whatever the server's does
-        bind_client_algorithm(spec, build_strategy(cfg, int(cfg.num_clients)))
+        flwr_log = logging.getLogger("flwr")
+        level, flwr_log.level = (
+            flwr_log.level,
+            logging.ERROR,
+        )  # the server's strategy warnings are the server's
+        try:
+            bind_client_algorithm(spec, build_strategy(cfg, int(cfg.num_clients)))
+        finally:
+            flwr_log.setLevel(level)
     except (ConfigError, DeployConfigError) as e:
         raise MissingSpecError(
             f"fedsim's ClientApp cannot build its task from run_config {OVERRIDES}: {e}"

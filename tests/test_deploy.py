@@ -461,7 +461,7 @@ def test_python_front_forwards_fleet_calls_and_refuses_the_rest():
     """The fallback proxy against a stand-in SuperLink (plain HTTP): bodies and headers pass, others 403."""
     import http.server
 
-    from fedsim.deploy import front
+    from fedsim.deploy import pyfront
 
     seen = []
 
@@ -485,7 +485,7 @@ def test_python_front_forwards_fleet_calls_and_refuses_the_rest():
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     port = free_port()
     threading.Thread(
-        target=front.serve, args=("127.0.0.1", port, upstream.server_address[1]), daemon=True
+        target=pyfront.serve, args=("127.0.0.1", port, upstream.server_address[1]), daemon=True
     ).start()
 
     def call(path: str, method: str = "POST") -> int:

@@ -427,6 +427,8 @@ class Federation:
         (the SuperLink itself on ``host``: every API public; warned about unless ``host`` is loopback).
     isolation : bool
         Start ServerApps through a separately started ``flower-superexec`` that proves a shared secret.
+    limits : front.Limits, optional
+        The front's body limit, rates and timeouts (default ``Limits()``: bodies up to ``body_limit()``).
     """
 
     def __init__(
@@ -439,6 +441,7 @@ class Federation:
         echo: Callable[[str], None] = print,
         front: str = "auto",
         isolation: bool = True,
+        limits: front_mod.Limits | None = None,
     ) -> None:
         from fedsim.deploy.certs import private_folder
 
@@ -454,6 +457,7 @@ class Federation:
                 echo("# no nginx found: the public front is fedsim's Python fallback (fedsim.deploy.front)")
         self.front = front
         self.isolation = isolation
+        self.limits = limits or front_mod.Limits()
         self.internal_port = free_port("127.0.0.1") if front != "none" else self.port
         self.flwr_home = self.workdir / "flwr-home"
         self.logs = self.workdir / "logs"
@@ -552,7 +556,7 @@ class Federation:
         c = Path(self.sec.certs) if self.sec.tls else None
         if self.front == "python":
             cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", self.address]
-            cmd += ["--upstream-port", str(self.internal_port)]
+            cmd += ["--upstream-port", str(self.internal_port), "--max-body", str(self.limits.max_body)]
             if c is not None:
                 cmd += [
                     "--cert",
@@ -571,7 +575,9 @@ class Federation:
         tls = (c / SERVER_CERT, c / SERVER_KEY, c / CA_CERT, tls_name) if c is not None else None
         conf = prefix / "nginx.conf"
         conf.write_text(
-            front_mod.nginx_conf(self.host, self.port, self.internal_port, prefix, self.logs, tls)
+            front_mod.nginx_conf(
+                self.host, self.port, self.internal_port, prefix, self.logs, tls, self.limits
+            )
         )
         cmd = [nginx, "-c", str(conf), "-p", str(prefix), "-e", str(self.logs / "front-error.log")]
         check = subprocess.run([*cmd, "-t", "-q"], capture_output=True, text=True)
@@ -579,7 +585,10 @@ class Federation:
             raise DeployError(
                 f"nginx refused the front's configuration {conf}: {check.stderr.strip()[-500:]}"
             )
-        self.echo(f"# {conf}: forwards only POST /v1/fleet/* and GET /health to {self.control_address}")
+        self.echo(
+            f"# {conf}: forwards only POST /v1/fleet/* and GET /health to {self.control_address}, bodies up "
+            f"to {self.limits.max_body / front_mod.MB:.1f} MB, {self.limits.rate} requests/s per address"
+        )
         return cmd
 
     def flwr(self, *args: str, timeout: float = 60.0) -> dict:
