@@ -79,10 +79,8 @@ def spec_from_overrides(overrides: str) -> str:
         spec = json.loads(client_spec(cfg, device=str(cfg.placement.device)))
         # the cohort only sizes the strategy's own checks: the largest one passes whatever the server's does
         flwr_log = logging.getLogger("flwr")
-        level, flwr_log.level = (
-            flwr_log.level,
-            logging.ERROR,
-        )  # the server's strategy warnings are the server's
+        level = flwr_log.level
+        flwr_log.setLevel(logging.ERROR)  # the strategy's warnings are the server's to give
         try:
             bind_client_algorithm(spec, build_strategy(cfg, int(cfg.num_clients)))
         finally:
