@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import time
 from collections.abc import Iterable
@@ -134,7 +135,8 @@ class ReplyLog(GridView):
         replies = list(replies)
         if replies and self._file is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._path, "a", encoding="utf-8")
+            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # names node ids
+            self._file = os.fdopen(fd, "a", encoding="utf-8")
         for r in replies:
             # the SuperLink answers itself for a node it gave up on: name the node the message was sent to
             node = self._dst.pop(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))

@@ -629,6 +629,38 @@ def test_certs_keep_the_ca_key_apart_and_keys_private(tmp_path):
     assert (tmp_path / "loose").stat().st_mode & 0o777 == 0o600
 
 
+def test_node_ids_and_secrets_are_the_operators_only_and_secrets_go_at_exit(tmp_path):
+    """nodes.json and replies.jsonl (they name node ids) 0600; ``certs`` makes an existing folder 0700; the
+    secrets a federation or a ``supernode`` command wrote are gone when it stops."""
+    from flwr.app import RecordDict
+
+    from fedsim.deploy.__main__ import _run_node
+    from fedsim.deploy.launch import write_secret
+    from fedsim.deploy.nodes import NodeGate
+    from fedsim.server_app import ReplyLog
+
+    gate = NodeGate(FakeFleet([(10, b"", "", 0)]), None, 1, tmp_path / "run" / "nodes.json")
+    gate.accept(10, 0)
+    replies = ReplyLog(None, tmp_path / "run" / "replies.jsonl")
+    replies._record([message(10, 0, "m", content=RecordDict())])
+    replies.close()
+    for f in ("nodes.json", "replies.jsonl"):
+        assert (tmp_path / "run" / f).stat().st_mode & 0o777 == 0o600, f
+    (tmp_path / "certs").mkdir(mode=0o755)
+    assert make_certs(tmp_path / "certs", nodes=0).stat().st_mode & 0o777 == 0o700
+    fed = Federation(tmp_path / "w", Security(tls=False, auth=False), echo=lambda _: None)
+    secret = fed._secret(fed.workdir / "x.secret")
+    fed.stop()
+    assert not secret.exists()
+    folder = tmp_path / "node-secret"
+    folder.mkdir()
+    write_secret(folder / "superexec.secret")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    assert _run_node([sys.executable, "-c", "pass"], sleeper, folder) == 0
+    assert not folder.exists() and time.monotonic() - t0 < 30  # the warm one was stopped with the node
+
+
 # ---- bad input: one clear error each, nothing hangs ----------------------------------------------------
 
 
@@ -730,6 +762,13 @@ def fed(tmp_path_factory):
             f.start_supernode(i, N, data_dir=data, warm=i != 2, poll=0.25 if i == 0 else None)
         for name in f.outsiders:
             f.start_supernode(0, N, key=root / name / "key", name=name)
+        # a second front, fedsim's Python fallback, on another port of the same SuperLink (the abuse probes)
+        f.python_front = f"127.0.0.1:{free_port()}"
+        c = [str(certs / x) for x in ("server.pem", "server.key", "ca.crt")]
+        cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", f.python_front]
+        cmd += ["--upstream-port", str(f.internal_port), "--cert", c[0], "--key", c[1], "--ca", c[2]]
+        f.spawn("front-python", [*cmd, "--max-body", str(f.limits.max_body)])
+        wait_for_superlink(f.python_front, 60, f.sec.ca)
         f.wait_nodes_online(N + len(f.outsiders), timeout=180)
         yield f
     finally:
@@ -958,6 +997,165 @@ def test_stranger_with_only_the_ca_certificate_cannot_use_the_public_port(fed, t
     assert list(markers.iterdir()) == []  # the run was never created, so nothing was queued for any node
 
 
+ABUSER = "127.0.0.2"  # the stranger's own loopback address: the fronts limit it apart from the honest nodes
+
+
+def _abuser(address: str, ca: Path, timeout: float = 60) -> ssl.SSLSocket:
+    """A TLS connection to a front from ``ABUSER`` (the stranger holds ``ca.crt``, no node key)."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=timeout, source_address=(ABUSER, 0))
+    return ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname="localhost")
+
+
+def _head(length: int | None, path: str = "/v1/fleet/push-object") -> bytes:
+    size = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    return f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/protobuf\r\n{size}\r\n\r\n".encode()
+
+
+def _status(sock) -> int | None:
+    """The status of the front's answer, None when it closed the connection without one."""
+    try:
+        parts = sock.makefile("rb").readline().split()
+    except OSError:
+        return None
+    return int(parts[1]) if len(parts) > 1 else None
+
+
+def _oversized(address: str, ca: Path, chunked: bool) -> int | None:
+    """POST 256 MB (declared) or an endless chunked body, 1 MB at a time, until the front answers."""
+    import select
+
+    mb = 1024 * 1024
+    with _abuser(address, ca, timeout=30) as s:
+        s.sendall(_head(None if chunked else 256 * mb))
+        for _ in range(64):
+            if select.select([s], [], [], 0)[0]:
+                break
+            try:
+                s.sendall(b"%x\r\n%s\r\n" % (mb, bytes(mb)) if chunked else bytes(mb))
+            except OSError:
+                break
+        return _status(s)
+
+
+def _slow(address: str, ca: Path, out: list, hold: threading.Event | None = None) -> None:
+    """Declare 1 MB, send 1 KB, stall: ``out`` gets (status or None, seconds until the front let go)."""
+    t0 = time.monotonic()
+    try:
+        with _abuser(address, ca) as s:
+            s.sendall(_head(1024 * 1024) + bytes(1024))
+            if hold is not None:  # the caller only counts the refusals, then lets go itself
+                s.settimeout(3)
+            out.append((_status(s), time.monotonic() - t0))
+            if hold is not None:
+                hold.wait(60)
+    except OSError:
+        out.append((None, time.monotonic() - t0))
+
+
+def _flood(address: str, ca: Path, n: int) -> list[int]:
+    """``n`` pipelined GET /health from one connection: the statuses the front answered before closing it."""
+    statuses = []
+    with _abuser(address, ca) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" * n)
+        f = s.makefile("rb")
+        try:
+            while len(statuses) < n:
+                parts = f.readline().split()
+                if len(parts) < 2:
+                    break
+                statuses.append(int(parts[1]))
+                length, close = 0, False
+                while (line := f.readline().strip()) != b"":
+                    k, _, v = line.partition(b":")
+                    length = int(v) if k.lower() == b"content-length" else length
+                    close = close or (k.lower() == b"connection" and b"close" in v.lower())
+                f.read(length)
+                if close:
+                    break
+        except OSError:
+            pass
+    return statuses
+
+
+def _proc_status(pid: int, field: str) -> int:
+    """A number from /proc/PID/status (``VmRSS`` in kB, ``Threads``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_round_time(fed):
+    """Stranger probe, both fronts (nginx, or the Python one where nginx is missing, and the Python one):
+    during rounds 3-4 of a run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
+    Python front) and 40 stalled 1 MB bodies per front (cut off, 408 or closed). The SuperLink's RSS stays
+    within 64 MB of what it was, the abused rounds last as long as the clean ones (within noise), the Python
+    front's threads stay bounded. Then, on a fresh connection, a flood of pipelined requests meets 503s
+    (``limit_req``) and the 65th concurrent request from one address 503 (``limit_conn``)."""
+    fronts = [fed.address, fed.python_front]
+    link, pyfront = fed.procs["superlink"].pid, fed.procs["front-python"].pid
+    overrides = [*TINY, "num_rounds=4", "round_timeout=120"]
+    run_id, out = _start_run(fed, "abuse", overrides)
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3, 300, "round 2")
+    rss0, rss, threads = _proc_status(link, "VmRSS"), [], []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            rss.append(_proc_status(link, "VmRSS"))
+            threads.append(_proc_status(pyfront, "Threads"))
+            time.sleep(0.1)
+
+    slow: dict[str, list] = {a: [] for a in fronts}
+    big: dict[str, list] = {a: [] for a in fronts}
+    jobs = [threading.Thread(target=sample)]
+    for a in fronts:
+        jobs += [threading.Thread(target=_slow, args=(a, fed.sec.ca, slow[a])) for _ in range(40)]
+        for chunked in (False, False, False, False, True, True):
+            jobs.append(
+                threading.Thread(target=lambda a=a, c=chunked: big[a].append(_oversized(a, fed.sec.ca, c)))
+            )
+    for j in jobs:
+        j.start()
+    _finish(fed, run_id, out)
+    for j in jobs[1:]:
+        j.join(timeout=120)
+    stop.set()
+    jobs[0].join()
+    gaps = [b["wall_time"] - a["wall_time"] for a, b in zip(read_metrics(out), read_metrics(out)[1:])]
+    clean, abused = max(gaps[:2]), max(gaps[2:])
+    print(
+        f"rounds {[round(g, 2) for g in gaps]} s; SuperLink RSS {rss0 // 1024} -> max {max(rss) // 1024} MB; "
+        f"Python front threads max {max(threads)}"
+    )
+    assert max(rss) - rss0 < 64 * 1024, (rss0, max(rss))
+    assert abused <= 1.5 * clean + 2.0, gaps
+    assert max(threads) < 40 + 6 + 16  # one per open connection, no more
+    for a in fronts:
+        python = a == fed.python_front or fed.front == "python"
+        assert sorted(big[a]) == ([411] * 2 + [413] * 4 if python else [413] * 6), (a, big[a])
+        assert len(slow[a]) == 40 and all(code in (None, 408) and t < 45 for code, t in slow[a]), slow[a]
+    # rates and connections per address
+    for a in fronts:
+        statuses = _flood(a, fed.sec.ca, 800)
+        assert 503 in statuses and statuses.count(200) < 800, (a, statuses.count(200))
+        held, release = [], threading.Event()
+        conns = [threading.Thread(target=_slow, args=(a, fed.sec.ca, held, release)) for _ in range(70)]
+        for t in conns:
+            t.start()
+        _wait_for(lambda held=held: len(held) == 70, 60, "70 connections")
+        release.set()
+        for t in conns:
+            t.join()
+        assert 6 <= [code for code, _ in held].count(503) <= 10, (a, held)
+    assert len(_online(fed)) == N + len(fed.outsiders)
+
+
 @needs_flower
 @pytest.mark.slow  # starts Flower's processes
 def test_deployed_run_without_a_binding_survives_a_duplicate_claim(fed):
@@ -1044,7 +1242,7 @@ def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(c
     assert node[0] == "flower-supernode" and node[node.index("--isolation") + 1] == "process"
     secret = "--superexec-auth-secret-file"
     assert warm[warm.index(secret) + 1] == node[node.index(secret) + 1]  # the node lets only its warm one in
-    assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid the exec'd SuperNode keeps
+    assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid that waits for the SuperNode
     assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm"]) == 0
     out = capsys.readouterr().out
     assert "--isolation" not in out and "fedsim.deploy.warm" not in out

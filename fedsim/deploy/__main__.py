@@ -398,7 +398,7 @@ def _openssh(ident) -> str:
 
 
 def run_supernode(args: argparse.Namespace) -> int:
-    """The ``supernode`` subcommand: check, print, then replace this process by ``flower-supernode``."""
+    """The ``supernode`` subcommand: check, print, then run ``flower-supernode`` until it ends (or SIGTERM)."""
     if args.insecure == (args.root_certificates is not None):
         raise DeployError("give either --root-certificates CA_CERT (TLS) or --insecure")
     if args.insecure and args.key is not None:
@@ -432,28 +432,52 @@ def run_supernode(args: argparse.Namespace) -> int:
         poll=args.node_poll,
     )
     warm = warm_command(args.port, Path("SECRET"), parent_pid=os.getpid()) if args.warm else None
-    if warm is not None:  # this process becomes the SuperNode (exec keeps the pid the warm one watches)
+    folder = None
+    if warm is not None:  # the warm SuperExec stops when this process (which waits for the SuperNode) ends
         import tempfile
 
         from fedsim.deploy.launch import write_secret
 
         secret = "<a fresh secret file>"
         if not args.dry_run:
-            secret = str(
-                write_secret(Path(tempfile.mkdtemp(prefix="fedsim-supernode-")) / "superexec.secret")
-            )
+            folder = Path(tempfile.mkdtemp(prefix="fedsim-supernode-"))  # mode 0700
+            secret = str(write_secret(folder / "superexec.secret"))
         cmd, warm = ([secret if a == "SECRET" else a for a in c] for c in (cmd, warm))
         print("$ " + shlex.join(warm), flush=True)
     print("$ " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    env = {**os.environ, **FLWR_ENV}
-    if warm is not None:
-        import subprocess
+    return _run_node(cmd, warm, folder)
 
-        subprocess.Popen(warm, env=env)  # stops when the SuperNode (this pid) ends
-    os.execvpe(cmd[0], cmd, env)
-    return 1  # not reached
+
+def _run_node(cmd: list[str], warm: list[str] | None, folder: Path | None) -> int:
+    """Run the SuperNode (and its warm SuperExec) until it exits or this process gets SIGTERM/Ctrl-C; then
+    stop both and remove the secret's folder. Returns the SuperNode's exit status."""
+    import shutil
+    import subprocess
+
+    from fedsim.deploy.launch import terminate
+
+    env = {**os.environ, **FLWR_ENV}
+    procs = []
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    try:
+        if warm is not None:
+            procs.append(subprocess.Popen(warm, env=env))
+        node = subprocess.Popen(cmd, env=env)
+        procs.insert(0, node)
+        while node.poll() is None and not stopping:
+            time.sleep(0.2)
+        return 0 if stopping else int(node.returncode)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        terminate([p.pid for p in procs if p.poll() is None], timeout=15)
+        for p in procs:
+            p.wait()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # the SuperExec secret lives only as long as the node
 
 
 def _seconds(text: str) -> float:

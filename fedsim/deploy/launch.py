@@ -468,6 +468,7 @@ class Federation:
         self.node_ids: dict[int, int] = {}  # partition id -> node id from `flwr supernode register`
         self.bound_keys: dict[int, list[Path]] = {}  # partition id -> public keys registered for it
         self.stopped: list[int] = []  # every pid ``stop``/``kill`` signalled (to check none is left)
+        self.secrets: list[Path] = []  # the shared-secret files written, removed by ``stop``
         self._echoed: set[str] = set()
         if front == "none":
             warn_exposed(host, echo)
@@ -528,7 +529,7 @@ class Federation:
         )
         ca = self.sec.ca if self.sec.tls else None
         t0 = time.monotonic()
-        secret = write_secret(self.workdir / SECRET_FILE) if self.isolation else None
+        secret = self._secret(self.workdir / SECRET_FILE) if self.isolation else None
         bind = self.host if self.front == "none" else "127.0.0.1"
         proc = self.spawn(
             "superlink", superlink_command(bind, self.internal_port, self.sec, secret), cwd=self.cwd
@@ -544,6 +545,10 @@ class Federation:
             front = self.spawn("front", self.front_command(tls_name))
             self._wait_up("front", self.address, timeout - (time.monotonic() - t0), ca, front)
         return time.monotonic() - t0
+
+    def _secret(self, path: Path) -> Path:
+        self.secrets.append(write_secret(path))
+        return path
 
     def _wait_up(self, name: str, address: str, timeout: float, ca: Path | None, proc) -> None:
         try:
@@ -668,7 +673,7 @@ class Federation:
         """
         name = name or f"supernode{partition_id}"
         port = free_port("127.0.0.1")
-        secret = write_secret(self.workdir / f"{name}.secret") if warm else None
+        secret = self._secret(self.workdir / f"{name}.secret") if warm else None
         cmd = supernode_command(
             self.address,
             port,
@@ -792,12 +797,16 @@ class Federation:
         return pids
 
     def detach(self) -> None:
-        """Forget the processes without stopping them (``pids.json`` keeps them for ``stop_from_pidfile``)."""
+        """Forget the processes without stopping them (``pids.json`` keeps them for ``stop_from_pidfile``, which
+        also removes the secrets)."""
         self.procs.clear()
+        self.secrets.clear()
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Stop SuperNodes, then the SuperLink, with everything they spawned; reap our children."""
+        """Stop SuperNodes, then the SuperLink, with everything they spawned; reap our children; remove the
+        shared secrets."""
         if not self.procs:
+            remove_secrets(self.secrets)
             return
         order = [n for n in self.procs if n not in SERVER_SIDE] + [n for n in SERVER_SIDE if n in self.procs]
         for name in order:
@@ -812,6 +821,7 @@ class Federation:
             if left:
                 print(f"fedsim.deploy: could not stop {name} processes {left}", file=sys.stderr)
         self.procs.clear()
+        remove_secrets(self.secrets)
         pidfile = self.workdir / "pids.json"
         if pidfile.exists():
             pidfile.unlink()
@@ -849,4 +859,12 @@ def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
         terminate([pid, *descendants(pid)], timeout)
         stopped.append(pid)
     pidfile.unlink()
+    remove_secrets(Path(workdir).glob("*.secret"))
     return stopped
+
+
+def remove_secrets(paths) -> None:
+    """Delete shared-secret files (those already gone are skipped)."""
+    for p in list(paths):
+        with contextlib.suppress(FileNotFoundError):
+            Path(p).unlink()

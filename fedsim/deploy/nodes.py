@@ -292,6 +292,7 @@ class NodeGate(GridView):
         }
         self.record.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.record.parent, prefix=".nodes-")
+        os.fchmod(fd, 0o600)  # node ids, names and keys: the operator's only
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
