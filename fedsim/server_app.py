@@ -249,7 +249,9 @@ def main(grid: Grid, context: Context) -> None:
             NODES,
         )
     replies = ReplyLog(grid, out_dir / "replies.jsonl")
-    gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE)
+    # a partition whose bound node was refused waits half of node_timeout for another node, then is skipped
+    wait = float(cfg.get("node_timeout") or 300) / 2
+    gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE, vacancy_wait=wait)
     try:
         summary = run_experiment(cfg, out_dir, choices, grid=gate)
     except ConfigError as e:

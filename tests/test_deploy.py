@@ -11,6 +11,7 @@ federation: packaging, commands, the binding, the front's rules, certificates an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from fedsim.deploy import (
     supernode_command,
     wait_for_superlink,
 )
+from fedsim.deploy.front import Limits
 from fedsim.deploy.launch import running
 from fedsim.node_data import save_node_data
 from fedsim.server_app import DeployConfigError, binding_from, experiment_from
@@ -340,19 +342,6 @@ class FakeFleet:
         return list(reversed(out))  # replies come back in any order
 
 
-def _connect(grid, num_clients=3, node_timeout=3.0):
-    """``connect_sizes`` as the server loop calls it."""
-    from strategy_helpers import server_identity
-
-    from fedsim.server import LoopConfig, connect_sizes
-
-    loop = LoopConfig(
-        seed=0, num_clients=num_clients, num_rounds=1, clients_per_round=num_clients, node_timeout=3
-    )
-    with server_identity():
-        return connect_sizes(grid, loop, "{}")
-
-
 def test_unlisted_and_misclaiming_nodes_get_no_work_and_are_counted(tmp_path, caplog):
     """Bound by key: an unlisted node (registered first, claiming 0) is never asked; a node bound to 1
     claiming 0 is refused; one warning line each; the honest nodes get the partitions; nodes.json says why."""
@@ -412,20 +401,57 @@ def test_without_a_binding_a_duplicate_claim_keeps_the_first_registered(tmp_path
     assert _connect(fleet, num_clients=2)[0] == {0: 10, 1: 11}
 
 
-@pytest.mark.slow
-def test_a_partition_left_open_by_a_refused_claim_is_an_error_naming_it(tmp_path):
-    from fedsim.deploy.nodes import NodeGate, parse_binding
+def _connect(grid, num_clients=3, node_timeout=3.0):
+    """``connect_sizes`` as the server loop calls it."""
+    from strategy_helpers import server_identity
+
+    from fedsim.server import LoopConfig, connect_sizes
+
+    loop = LoopConfig(
+        seed=0,
+        num_clients=num_clients,
+        num_rounds=1,
+        clients_per_round=num_clients,
+        node_timeout=node_timeout,
+    )
+    with server_identity():
+        return connect_sizes(grid, loop, "{}")
+
+
+def test_a_partition_left_open_by_a_refused_claim_is_skipped_and_the_run_goes_on(tmp_path, caplog):
+    """Insider probe: node 11, bound to partition 1, claims 0. Refused (one line); partition 1 waits
+    ``vacancy_wait`` seconds for another node, then is skipped: a stand-in takes it, its tasks fail as
+    "unavailable" without reaching the SuperLink, nodes.json lists it. Without a wait set, the server waits
+    ``node_timeout`` and stops naming it (the old behaviour)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from strategy_helpers import server_identity
+
+    from fedsim.deploy.nodes import VACANT, NodeGate, parse_binding
     from fedsim.errors import RunError
+    from fedsim.grid_utils import UNAVAILABLE_CODES
 
     pubs = [Path(str(make_node_key(tmp_path / f"k{i}")) + ".pub") for i in range(2)]
     binding = parse_binding({0: pubs[0].read_text(), 1: pubs[1].read_text()})
     fleet = FakeFleet(
         [(10, _pem(pubs[0]), "", 0), (11, _pem(pubs[1]), "", 0)]
     )  # node 11 claims 0, bound to 1
-    t0 = time.monotonic()
     with pytest.raises(RunError, match=r"no node answered for partition ids \[1\]"):
         _connect(NodeGate(fleet, binding, 2), num_clients=2, node_timeout=1)
-    assert time.monotonic() - t0 < 10  # waits node_timeout for another node to take it, then stops
+    gate = NodeGate(fleet, binding, 2, tmp_path / "nodes.json", vacancy_wait=0.5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        node_of, sizes = _connect(gate, num_clients=2, node_timeout=30)
+    assert node_of == {0: 10, 1: VACANT - 1} and sizes == {0: 10, 1: 0}
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 2 and "node 11" in lines[0] and "partition 1 has no node" in lines[1]
+    assert not any("\n" in ln or "Traceback" in ln for ln in lines)
+    t0 = time.monotonic()
+    with server_identity():
+        task = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), VACANT - 1, "train")
+        (reply,) = gate.send_and_receive([task], timeout=30)
+    assert reply.has_error() and reply.error.code in UNAVAILABLE_CODES and time.monotonic() - t0 < 5
+    doc = json.loads((tmp_path / "nodes.json").read_text())
+    assert doc["vacant"] == [1] and [a["node_id"] for a in doc["accepted"]] == [10]
 
 
 # ---- the public front ----------------------------------------------------------------------------------
@@ -745,7 +771,9 @@ def fed(tmp_path_factory):
     save_node_data(
         root / "node2-data", ds.x_train[:n], ds.y_train[:n], ds.x_train[n : n + v], ds.y_train[n : n + v]
     )
-    f = Federation(root / "work", Security(tls=True, auth=True, certs=certs), cwd=root, echo=lambda _: None)
+    limits = Limits(header_timeout=5, body_timeout=5)  # stalled senders cut sooner than the default 15 s
+    sec = Security(tls=True, auth=True, certs=certs)
+    f = Federation(root / "work", sec, cwd=root, echo=lambda _: None, limits=limits)
     f.root = root
     f.outsiders = {}  # name -> node id of the nodes that must get no work
     try:
@@ -767,7 +795,7 @@ def fed(tmp_path_factory):
         c = [str(certs / x) for x in ("server.pem", "server.key", "ca.crt")]
         cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", f.python_front]
         cmd += ["--upstream-port", str(f.internal_port), "--cert", c[0], "--key", c[1], "--ca", c[2]]
-        f.spawn("front-python", [*cmd, "--max-body", str(f.limits.max_body)])
+        f.spawn("front-python", [*cmd, "--limits", json.dumps(dataclasses.asdict(limits))])
         wait_for_superlink(f.python_front, 60, f.sec.ca)
         f.wait_nodes_online(N + len(f.outsiders), timeout=180)
         yield f
@@ -1092,16 +1120,20 @@ def _proc_status(pid: int, field: str) -> int:
 @pytest.mark.slow  # starts Flower's processes
 def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_round_time(fed):
     """Stranger probe, both fronts (nginx, or the Python one where nginx is missing, and the Python one):
-    during rounds 3-4 of a run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
-    Python front) and 40 stalled 1 MB bodies per front (cut off, 408 or closed). The SuperLink's RSS stays
-    within 64 MB of what it was, the abused rounds last as long as the clean ones (within noise), the Python
-    front's threads stay bounded. Then, on a fresh connection, a flood of pipelined requests meets 503s
-    (``limit_req``) and the 65th concurrent request from one address 503 (``limit_conn``)."""
+    during round 2 of a run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
+    Python front) and 40 stalled 1 MB bodies per front (cut off: 408 or closed). The SuperLink's RSS stays
+    within 64 MB of what it was, the abused round lasts as long as the clean one (within noise), the Python
+    front's threads stay bounded. Then a flood of pipelined requests meets 503s (``limit_req``) and the 65th
+    concurrent request from one address 503 (``limit_conn``). The rounds train the two warm nodes only (a
+    seed whose cohorts of 2 are partitions 0 and 1), so a round is a few seconds."""
+    from fedsim.server import sample_cohort
+
     fronts = [fed.address, fed.python_front]
     link, pyfront = fed.procs["superlink"].pid, fed.procs["front-python"].pid
-    overrides = [*TINY, "num_rounds=4", "round_timeout=120"]
+    seed = next(s for s in range(1000) if all(sorted(sample_cohort(s, r, N, 2)) == [0, 1] for r in (1, 2)))
+    overrides = [*TINY, "num_rounds=2", "round_timeout=120", "clients_per_round=2", f"seed={seed}"]
     run_id, out = _start_run(fed, "abuse", overrides)
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3, 300, "round 2")
+    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2, 300, "round 1")
     rss0, rss, threads = _proc_status(link, "VmRSS"), [], []
     stop = threading.Event()
 
@@ -1128,14 +1160,16 @@ def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_ro
     stop.set()
     jobs[0].join()
     gaps = [b["wall_time"] - a["wall_time"] for a, b in zip(read_metrics(out), read_metrics(out)[1:])]
-    clean, abused = max(gaps[:2]), max(gaps[2:])
+    clean, abused = gaps
     print(
         f"rounds {[round(g, 2) for g in gaps]} s; SuperLink RSS {rss0 // 1024} -> max {max(rss) // 1024} MB; "
         f"Python front threads max {max(threads)}"
     )
     assert max(rss) - rss0 < 64 * 1024, (rss0, max(rss))
     assert abused <= 1.5 * clean + 2.0, gaps
-    assert max(threads) < 40 + 6 + 16  # one per open connection, no more
+    assert (
+        max(threads) <= 2 * (40 + 6) + 2
+    )  # a thread per connection (and a header timer while it sends them)
     for a in fronts:
         python = a == fed.python_front or fed.front == "python"
         assert sorted(big[a]) == ([411] * 2 + [413] * 4 if python else [413] * 6), (a, big[a])

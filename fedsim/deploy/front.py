@@ -31,6 +31,7 @@ that stalls is cut off, and each client address gets at most ``Limits.rate`` req
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shutil
 import sys
@@ -238,14 +239,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--max-body", type=int, default=None, help="largest request body in bytes (default: body_limit())"
     )
+    p.add_argument("--limits", default="{}", help="other Limits fields as JSON, e.g. '{\"rate\": 50}'")
     a = p.parse_args(argv)
     host, _, port = a.listen.rpartition(":")
     if bool(a.cert) != bool(a.key) or bool(a.cert) != bool(a.ca):
         p.error("give --cert, --key and --ca together (TLS), or none of them")
     try:
-        limits = Limits(max_body=a.max_body) if a.max_body is not None else Limits()
-    except ValueError as e:
-        p.error(str(e))
+        given = json.loads(a.limits)
+        if a.max_body is not None:
+            given["max_body"] = a.max_body
+        limits = Limits(**given)
+    except (ValueError, TypeError) as e:
+        p.error(f"--limits: {e}")
     from fedsim.deploy.pyfront import serve
 
     serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca, limits)

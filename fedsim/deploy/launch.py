@@ -16,6 +16,7 @@ SuperLink's tasks from its Runtime API. The ``flwr`` CLI (runs, node registratio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -562,6 +563,8 @@ class Federation:
         if self.front == "python":
             cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", self.address]
             cmd += ["--upstream-port", str(self.internal_port), "--max-body", str(self.limits.max_body)]
+            if self.limits != front_mod.Limits(max_body=self.limits.max_body):
+                cmd += ["--limits", json.dumps(dataclasses.asdict(self.limits))]
             if c is not None:
                 cmd += [
                     "--cert",

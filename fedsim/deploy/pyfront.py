@@ -83,20 +83,18 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         # the request line and headers must arrive within header_timeout, however slowly each byte comes
-        timer = threading.Timer(self.limits.header_timeout, self._cut)
-        self._headers_done = False
-        timer.start()
+        self._timer = threading.Timer(self.limits.header_timeout, self._cut)
+        self._timer.start()
         try:
             super().handle_one_request()
         except (TimeoutError, OSError):
             self.close_connection = True
         finally:
-            timer.cancel()
+            self._timer.cancel()
 
     def _cut(self) -> None:
-        if not self._headers_done:
-            with contextlib.suppress(OSError):
-                self.connection.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
 
     def log_message(self, format, *args):
         sys.stderr.write(f"{self.address_string()} {format % args}\n")
@@ -133,7 +131,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return True
 
     def _forward(self) -> None:
-        self._headers_done = True
+        self._timer.cancel()  # the headers are in (the timer's thread ends)
         if not allowed(self.command, self.path):
             self._deny()
             return
