@@ -1075,7 +1075,7 @@ def _slow(address: str, ca: Path, out: list, hold: threading.Event | None = None
         with _abuser(address, ca) as s:
             s.sendall(_head(1024 * 1024) + bytes(1024))
             if hold is not None:  # the caller only counts the refusals, then lets go itself
-                s.settimeout(3)
+                s.settimeout(1.5)
             out.append((_status(s), time.monotonic() - t0))
             if hold is not None:
                 hold.wait(60)

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pwd
 import re
 import shutil
 import sys
@@ -167,9 +169,12 @@ def nginx_conf(
         f'    {kind}_temp_path "{prefix / (kind + "_temp")}";'
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
+    # started as root, nginx runs its workers as "nobody", who cannot write the spooled bodies into the
+    # private (0700) folder: keep them as this user (better: start fedsim as an unprivileged user)
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
     return f"""# fedsim.deploy: the SuperLink's public front (fedsim/deploy/front.py). Generated; do not edit.
 daemon off;
-worker_processes 1;
+{user}worker_processes 1;
 pid "{prefix / "nginx.pid"}";
 error_log "{logs / "front-error.log"}" warn;
 events {{
