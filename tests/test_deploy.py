@@ -11,6 +11,7 @@ federation: packaging, commands, the binding, the front's rules, certificates an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -1084,10 +1085,11 @@ def _slow(address: str, ca: Path, out: list, hold: threading.Event | None = None
 
 
 def _flood(address: str, ca: Path, n: int) -> list[int]:
-    """``n`` pipelined GET /health from one connection: the statuses the front answered before closing it."""
+    """``n`` pipelined requests the front refuses itself (GET on a Fleet route: 403, without asking the
+    SuperLink) from one connection: the statuses it answered before closing it."""
     statuses = []
     with _abuser(address, ca) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n" * n)
+        s.sendall(b"GET /v1/fleet/pull-messages HTTP/1.1\r\nHost: localhost\r\n\r\n" * n)
         f = s.makefile("rb")
         try:
             while len(statuses) < n:
@@ -1150,7 +1152,9 @@ def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_ro
         jobs += [threading.Thread(target=_slow, args=(a, fed.sec.ca, slow[a])) for _ in range(40)]
         for chunked in (False, False, False, False, True, True):
             jobs.append(
-                threading.Thread(target=lambda a=a, c=chunked: big[a].append(_oversized(a, fed.sec.ca, c)))
+                threading.Thread(
+                    target=lambda a=a, c=chunked: big[a].append((c, _oversized(a, fed.sec.ca, c)))
+                )
             )
     for j in jobs:
         j.start()
@@ -1172,12 +1176,16 @@ def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_ro
     )  # a thread per connection (and a header timer while it sends them)
     for a in fronts:
         python = a == fed.python_front or fed.front == "python"
-        assert sorted(big[a]) == ([411] * 2 + [413] * 4 if python else [413] * 6), (a, big[a])
+        assert [code for chunked, code in big[a] if not chunked] == [413] * 4, (a, big[a])
+        # a chunked body: 411 from the Python front; nginx reads it up to the limit, then answers 413 and closes
+        # (the client may see the reset before the answer)
+        chunked = [code for c, code in big[a] if c]
+        assert chunked == [411] * 2 if python else set(chunked) <= {413, None}, (a, big[a])
         assert len(slow[a]) == 40 and all(code in (None, 408) and t < 45 for code, t in slow[a]), slow[a]
     # rates and connections per address
     for a in fronts:
         statuses = _flood(a, fed.sec.ca, 800)
-        assert 503 in statuses and statuses.count(200) < 800, (a, statuses.count(200))
+        assert statuses.count(403) >= 300 and 503 in statuses, (a, statuses.count(403), statuses[-3:])
         held, release = [], threading.Event()
         conns = [threading.Thread(target=_slow, args=(a, fed.sec.ca, held, release)) for _ in range(70)]
         for t in conns:
@@ -1186,7 +1194,7 @@ def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_ro
         release.set()
         for t in conns:
             t.join()
-        assert 6 <= [code for code, _ in held].count(503) <= 10, (a, held)
+        assert 6 <= [code for code, _ in held].count(503) < 70, (a, held)  # 64 held at most
     assert len(_online(fed)) == N + len(fed.outsiders)
 
 
@@ -1238,6 +1246,88 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     train = _check_replies(fed, out, overrides, lost_node=fed.node_ids[2])
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
     _check_outsiders_refused(fed, out)
+
+
+def _fleet_push(fed: Federation, key: Path, run_id: int, dst: int, content) -> str:
+    """As a SuperNode holding ``key`` (registered), push an instruction to node ``dst`` through the front's
+    Fleet API, with Flower's own SuperNode connection; return its message id."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.app import Message, Metadata
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supernode.fleet_http_connection import http_request_response
+
+    private = serialization.load_ssh_private_key(key.read_bytes(), None)
+    with http_request_response(fed.address, False, str(fed.sec.ca), (private, private.public_key())) as conn:
+        _, _, send, _, _, _, push_object, _ = conn
+        meta = Metadata(
+            run_id=run_id,
+            message_id="",
+            src_node_id=0,  # the SuperLink's id: what an instruction from the ServerApp carries
+            dst_node_id=dst,
+            reply_to_message_id="",
+            group_id="1",
+            message_type="train",
+            created_at=time.time(),
+            ttl=600,
+        )
+        msg = Message(metadata=meta, content=content)
+        msg.metadata.__dict__["_message_id"] = msg.object_id
+        objects = get_all_nested_objects(msg)
+        to_push, session = send(msg, get_object_tree(msg), 0.0)
+        for oid in to_push:
+            push_object(run_id, session, oid, objects[oid].deflate())
+    return msg.metadata.message_id
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_a_registered_node_cannot_make_another_node_run_code_through_the_fleet_api(fed, tmp_path):
+    """Insider probe, end to end: during a run, a node with a registered key pushes node 0, through the front's
+    Fleet API (Flower accepts an instruction from any registered node to any node id), train messages whose
+    run spec names ``pathlib.Path.write_text`` and ``numpy.load(allow_pickle=True)``. Node 0's ClientApp
+    refuses each with one line and no file appears."""
+    import pickle
+
+    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+    from fedsim import keys
+    from fedsim.client_app import spec_from_overrides
+    from fedsim.deploy.launch import CONNECTION
+
+    key = make_node_key(tmp_path / "insider")
+    insider = fed.register(None, Path(f"{key}.pub"), name="insider")
+    overrides = [*TINY, "num_rounds=20", "round_timeout=120"]  # stopped once node 0 has answered the insider
+    run_id, out = _start_run(fed, "insider", overrides)
+    honest = json.loads(spec_from_overrides(shlex.join(overrides)))
+    marker, payload = tmp_path / "ran", tmp_path / "payload.npy"
+    payload.write_bytes(pickle.dumps(_WriteOnLoad(str(tmp_path / "unpickled"))))
+    crafted = [
+        {**honest, "dataset": {"_target_": "pathlib.Path.write_text", "_args_": [str(marker), "ran"]}},
+        {**honest, "model": {"_target_": "numpy.load", "file": str(payload), "allow_pickle": True}},
+    ]
+    arrays = ArrayRecord(build.build_initial_model(honest).state_dict())
+    log = fed.logs / "supernode0-warm.log"  # where node 0's ClientApp processes write (Flower logs the error)
+
+    def refusals() -> list[str]:
+        return [ln for ln in log.read_text(errors="replace").splitlines() if "client_app.SpecRefused: " in ln]
+
+    before = len(refusals())
+    try:
+        _wait_for(lambda: fed.run_status(run_id)["status"] == "running", 120, "the run to start")
+        for spec in crafted:
+            content = RecordDict(
+                {keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({keys.RUN_SPEC: json.dumps(spec)})}
+            )
+            _fleet_push(fed, key, run_id, fed.node_ids[0], content)
+        _wait_for(lambda: len(refusals()) >= before + 2, 180, "node 0 to refuse both")
+    finally:
+        with contextlib.suppress(DeployError):  # the run may have finished
+            fed.flwr("stop", str(run_id), CONNECTION)
+        fed.flwr("supernode", "unregister", str(insider), CONNECTION)
+    lines = refusals()[before:]
+    assert all("its run spec differs" in ln and "nothing was built" in ln for ln in lines), lines
+    assert "dataset._target_" in lines[0] + lines[1] and "model._target_" in lines[0] + lines[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["insider", "insider.pub", "payload.npy"]
 
 
 @pytest.mark.slow  # starts Flower's processes

@@ -11,8 +11,9 @@ Two implementations, the same rules:
 
 * nginx (``nginx_conf``), the default whenever ``nginx`` is installed: started in the foreground
   (``daemon off``) by ``fedsim.deploy``, stopped by its pid.
-* ``python -m fedsim.deploy.front``: a small threaded proxy in the standard library, a fallback for machines
-  without nginx (trials, CI); fedsim says so when it uses it. Prefer nginx (or your own proxy with the same
+* ``python -m fedsim.deploy.front``: a small threaded proxy in the standard library
+  (``fedsim.deploy.pyfront``), a fallback for machines without nginx (trials, CI); fedsim says so when it
+  uses it. Prefer nginx (or your own proxy with the same
   rules) for a long-lived server.
 
 SuperNode authentication is unchanged behind the front: a node signs a timestamp with its private key in

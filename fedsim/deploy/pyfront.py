@@ -132,16 +132,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _forward(self) -> None:
         self._timer.cancel()  # the headers are in (the timer's thread ends)
-        if not allowed(self.command, self.path):
-            self._deny()
-            return
         addr = self.client_address[0]
-        refused = self.gate.enter(addr) if self.gate is not None else None
+        refused = self.gate.enter(addr) if self.gate is not None else None  # refusals count too
         if refused:
             self._deny(refused)
             return
         try:
-            self._admitted()
+            if allowed(self.command, self.path):
+                self._admitted()
+            else:
+                self._deny()
         finally:
             if self.gate is not None:
                 self.gate.leave(addr)
