@@ -160,9 +160,9 @@ def run_spec(msg: Message, context: Context) -> str:
                 f" and {len(diff) - 6} more" if len(diff) > 6 else ""
             )
             raise SpecRefused(
-                f"fedsim's ClientApp refused a {msg.metadata.message_type} message from node "
-                f"{msg.metadata.src_node_id}: its run spec differs from the one run_config {OVERRIDES} composes "
-                f"({shown}); nothing was built from it"
+                f"fedsim's ClientApp refused {msg.metadata.message_type} message "
+                f"{str(msg.metadata.message_id)[:16] or '(no id)'}: its run spec differs from the one run_config "
+                f"{OVERRIDES} composes ({shown}); nothing was built from it"
             )
     return own
 

@@ -236,7 +236,7 @@ def test_a_crafted_instruction_builds_nothing_on_the_node_it_is_pushed_to(tmp_pa
             with pytest.raises(SpecRefused) as err:
                 app(_instruction(json.dumps(spec), kind), context)
             line = str(err.value)
-            assert "\n" not in line and "from node 1" in line and "nothing was built" in line
+            assert "\n" not in line and f"refused {kind} message" in line and "nothing was built" in line
     assert not built and sorted(p.name for p in tmp_path.iterdir()) == ["cache", "payload.npy"]
     (cached,) = (tmp_path / "cache").iterdir()  # the spec the node derived, kept for the run's next messages
     assert cached.read_text() == honest and cached.stat().st_mode & 0o777 == 0o600
@@ -1253,6 +1253,7 @@ def _fleet_push(fed: Federation, key: Path, run_id: int, dst: int, content) -> s
     Fleet API, with Flower's own SuperNode connection; return its message id."""
     from cryptography.hazmat.primitives import serialization
     from flwr.app import Message, Metadata
+    from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
     from flwr.supernode.fleet_http_connection import http_request_response
 
@@ -1262,7 +1263,7 @@ def _fleet_push(fed: Federation, key: Path, run_id: int, dst: int, content) -> s
         meta = Metadata(
             run_id=run_id,
             message_id="",
-            src_node_id=0,  # the SuperLink's id: what an instruction from the ServerApp carries
+            src_node_id=SUPERLINK_NODE_ID,  # what an instruction from the ServerApp carries
             dst_node_id=dst,
             reply_to_message_id="",
             group_id="1",
