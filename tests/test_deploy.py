@@ -1118,84 +1118,184 @@ def _proc_status(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
+def _fleet_push(fed: Federation, key: Path, run_id: int, dst: int, content) -> str:
+    """As a SuperNode holding ``key`` (registered), push an instruction to node ``dst`` through the front's
+    Fleet API, with Flower's own SuperNode connection; return its message id."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.app import Message, Metadata
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supernode.fleet_http_connection import http_request_response
+
+    private = serialization.load_ssh_private_key(key.read_bytes(), None)
+    with http_request_response(fed.address, False, str(fed.sec.ca), (private, private.public_key())) as conn:
+        _, _, send, _, _, _, push_object, _ = conn
+        meta = Metadata(
+            run_id=run_id,
+            message_id="",
+            src_node_id=SUPERLINK_NODE_ID,  # what an instruction from the ServerApp carries
+            dst_node_id=dst,
+            reply_to_message_id="",
+            group_id="1",
+            message_type="train",
+            created_at=time.time(),
+            ttl=600,
+        )
+        msg = Message(metadata=meta, content=content)
+        msg.metadata.__dict__["_message_id"] = msg.object_id
+        objects = get_all_nested_objects(msg)
+        to_push, session = send(msg, get_object_tree(msg), 0.0)
+        for oid in to_push:
+            push_object(run_id, session, oid, objects[oid].deflate())
+    return msg.metadata.message_id
+
+
+PROBE_RUN = [*TINY, "num_rounds=100", "round_timeout=120", "clients_per_round=2"]  # stopped by the class
+
+
 @needs_flower
 @pytest.mark.slow  # starts Flower's processes
-def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_round_time(fed):
-    """Stranger probe, both fronts (nginx, or the Python one where nginx is missing, and the Python one):
-    during round 2 of a run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
-    Python front) and 40 stalled 1 MB bodies per front (cut off: 408 or closed). The SuperLink's RSS stays
-    within 64 MB of what it was, the abused round lasts as long as the clean one (within noise), the Python
-    front's threads stay bounded. Then a flood of pipelined requests meets 503s (``limit_req``) and the 65th
-    concurrent request from one address 503 (``limit_conn``). The rounds train the two warm nodes only (a
-    seed whose cohorts of 2 are partitions 0 and 1), so a round is a few seconds."""
-    from fedsim.server import sample_cohort
+class TestProbesDuringARun:
+    """The probes that need a run in progress share one: the two warm nodes train round after round (a seed
+    whose first cohorts of 2 are partitions 0 and 1, so a round takes seconds), stopped after the class."""
 
-    fronts = [fed.address, fed.python_front]
-    link, pyfront = fed.procs["superlink"].pid, fed.procs["front-python"].pid
-    seed = next(s for s in range(1000) if all(sorted(sample_cohort(s, r, N, 2)) == [0, 1] for r in (1, 2)))
-    overrides = [*TINY, "num_rounds=2", "round_timeout=120", "clients_per_round=2", f"seed={seed}"]
-    run_id, out = _start_run(fed, "abuse", overrides)
-    _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2, 300, "round 1")
-    rss0, rss, threads = _proc_status(link, "VmRSS"), [], []
-    stop = threading.Event()
+    @pytest.fixture(scope="class")
+    def run(self, fed):
+        from fedsim.deploy.launch import CONNECTION
+        from fedsim.server import sample_cohort
 
-    def sample():
-        while not stop.is_set():
-            rss.append(_proc_status(link, "VmRSS"))
-            threads.append(_proc_status(pyfront, "Threads"))
-            time.sleep(0.1)
+        seed = next(
+            s for s in range(10_000) if all(sorted(sample_cohort(s, r, N, 2)) == [0, 1] for r in range(1, 5))
+        )
+        overrides = [*PROBE_RUN, f"seed={seed}"]
+        run_id, out = _start_run(fed, "probes", overrides)
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2, 300, "round 1")
+        yield run_id, out, overrides
+        with contextlib.suppress(DeployError):  # it may have ended
+            fed.flwr("stop", str(run_id), CONNECTION)
 
-    slow: dict[str, list] = {a: [] for a in fronts}
-    big: dict[str, list] = {a: [] for a in fronts}
-    jobs = [threading.Thread(target=sample)]
-    for a in fronts:
-        jobs += [threading.Thread(target=_slow, args=(a, fed.sec.ca, slow[a])) for _ in range(40)]
-        for chunked in (False, False, False, False, True, True):
-            jobs.append(
-                threading.Thread(
-                    target=lambda a=a, c=chunked: big[a].append((c, _oversized(a, fed.sec.ca, c)))
+    def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_round_time(self, fed, run):
+        """Stranger probe, both fronts (nginx, or the Python one where nginx is missing, and the Python one):
+        during round 3 of the run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
+        Python front) and 40 stalled 1 MB bodies per front (cut off: 408 or closed). The SuperLink's RSS stays
+        within 64 MB of what it was, the abused round lasts as long as the clean one (within noise), the Python
+        front's threads stay bounded. Then a flood of pipelined requests meets 503s (``limit_req``) and the 65th
+        concurrent request from one address 503 (``limit_conn``)."""
+        fronts = [fed.address, fed.python_front]
+        link, pyfront = fed.procs["superlink"].pid, fed.procs["front-python"].pid
+        _, out, _ = run
+        _wait_for(lambda: len(read_metrics(out)) >= 3, 300, "round 2")
+        rss0, rss, threads = _proc_status(link, "VmRSS"), [], []
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                rss.append(_proc_status(link, "VmRSS"))
+                threads.append(_proc_status(pyfront, "Threads"))
+                time.sleep(0.1)
+
+        slow: dict[str, list] = {a: [] for a in fronts}
+        big: dict[str, list] = {a: [] for a in fronts}
+        jobs = [threading.Thread(target=sample)]
+        for a in fronts:
+            jobs += [threading.Thread(target=_slow, args=(a, fed.sec.ca, slow[a])) for _ in range(40)]
+            for chunked in (False, False, False, False, True, True):
+                jobs.append(
+                    threading.Thread(
+                        target=lambda a=a, c=chunked: big[a].append((c, _oversized(a, fed.sec.ca, c)))
+                    )
                 )
-            )
-    for j in jobs:
-        j.start()
-    _finish(fed, run_id, out)
-    for j in jobs[1:]:
-        j.join(timeout=120)
-    stop.set()
-    jobs[0].join()
-    gaps = [b["wall_time"] - a["wall_time"] for a, b in zip(read_metrics(out), read_metrics(out)[1:])]
-    clean, abused = gaps
-    print(
-        f"rounds {[round(g, 2) for g in gaps]} s; SuperLink RSS {rss0 // 1024} -> max {max(rss) // 1024} MB; "
-        f"Python front threads max {max(threads)}"
-    )
-    assert max(rss) - rss0 < 64 * 1024, (rss0, max(rss))
-    assert abused <= 1.5 * clean + 2.0, gaps
-    assert (
-        max(threads) <= 2 * (40 + 6) + 2
-    )  # a thread per connection (and a header timer while it sends them)
-    for a in fronts:
-        python = a == fed.python_front or fed.front == "python"
-        assert [code for chunked, code in big[a] if not chunked] == [413] * 4, (a, big[a])
-        # a chunked body: 411 from the Python front; nginx reads it up to the limit, then answers 413 and closes
-        # (the client may see the reset before the answer)
-        chunked = [code for c, code in big[a] if c]
-        assert chunked == [411] * 2 if python else set(chunked) <= {413, None}, (a, big[a])
-        assert len(slow[a]) == 40 and all(code in (None, 408) and t < 45 for code, t in slow[a]), slow[a]
-    # rates and connections per address
-    for a in fronts:
-        statuses = _flood(a, fed.sec.ca, 800)
-        assert statuses.count(403) >= 300 and 503 in statuses, (a, statuses.count(403), statuses[-3:])
-        held, release = [], threading.Event()
-        conns = [threading.Thread(target=_slow, args=(a, fed.sec.ca, held, release)) for _ in range(70)]
-        for t in conns:
-            t.start()
-        _wait_for(lambda held=held: len(held) == 70, 60, "70 connections")
-        release.set()
-        for t in conns:
-            t.join()
-        assert 6 <= [code for code, _ in held].count(503) < 70, (a, held)  # 64 held at most
-    assert len(_online(fed)) == N + len(fed.outsiders)
+        for j in jobs:
+            j.start()
+        _wait_for(lambda: len(read_metrics(out)) >= 4, 300, "round 3")
+        for j in jobs[1:]:
+            j.join(timeout=120)
+        stop.set()
+        jobs[0].join()
+        gaps = [
+            b["wall_time"] - a["wall_time"] for a, b in zip(read_metrics(out)[1:4], read_metrics(out)[2:4])
+        ]
+        clean, abused = gaps  # rounds 2 and 3
+        print(
+            f"rounds {[round(g, 2) for g in gaps]} s; SuperLink RSS {rss0 // 1024} -> max {max(rss) // 1024} MB; "
+            f"Python front threads max {max(threads)}"
+        )
+        assert max(rss) - rss0 < 64 * 1024, (rss0, max(rss))
+        assert abused <= 1.5 * clean + 2.0, gaps
+        assert (
+            max(threads) <= 2 * (40 + 6) + 2
+        )  # a thread per connection (and a header timer while it sends them)
+        for a in fronts:
+            python = a == fed.python_front or fed.front == "python"
+            assert [code for chunked, code in big[a] if not chunked] == [413] * 4, (a, big[a])
+            # a chunked body: 411 from the Python front; nginx reads it up to the limit, then answers 413 and closes
+            # (the client may see the reset before the answer)
+            chunked = [code for c, code in big[a] if c]
+            assert chunked == [411] * 2 if python else set(chunked) <= {413, None}, (a, big[a])
+            assert len(slow[a]) == 40 and all(code in (None, 408) and t < 45 for code, t in slow[a]), slow[a]
+        # rates and connections per address
+        for a in fronts:
+            statuses = _flood(a, fed.sec.ca, 800)
+            assert statuses.count(403) >= 300 and 503 in statuses, (a, statuses.count(403), statuses[-3:])
+            held, release = [], threading.Event()
+            conns = [threading.Thread(target=_slow, args=(a, fed.sec.ca, held, release)) for _ in range(70)]
+            for t in conns:
+                t.start()
+            _wait_for(lambda held=held: len(held) == 70, 60, "70 connections")
+            release.set()
+            for t in conns:
+                t.join()
+            assert 6 <= [code for code, _ in held].count(503) < 70, (a, held)  # 64 held at most
+        assert len(_online(fed)) == N + len(fed.outsiders)
+
+    def test_a_registered_node_cannot_make_another_node_run_code_through_the_fleet_api(
+        self, fed, run, tmp_path
+    ):
+        """Insider probe, end to end: during a run, a node with a registered key pushes node 0, through the front's
+        Fleet API (Flower accepts an instruction from any registered node to any node id), train messages whose
+        run spec names ``pathlib.Path.write_text`` and ``numpy.load(allow_pickle=True)``. Node 0's ClientApp
+        refuses each with one line and no file appears."""
+        import pickle
+
+        from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+        from fedsim import keys
+        from fedsim.client_app import spec_from_overrides
+        from fedsim.deploy.launch import CONNECTION
+
+        key = make_node_key(tmp_path / "insider")
+        insider = fed.register(None, Path(f"{key}.pub"), name="insider")
+        run_id, _, overrides = run
+        honest = json.loads(spec_from_overrides(shlex.join(overrides)))
+        marker, payload = tmp_path / "ran", tmp_path / "payload.npy"
+        payload.write_bytes(pickle.dumps(_WriteOnLoad(str(tmp_path / "unpickled"))))
+        crafted = [
+            {**honest, "dataset": {"_target_": "pathlib.Path.write_text", "_args_": [str(marker), "ran"]}},
+            {**honest, "model": {"_target_": "numpy.load", "file": str(payload), "allow_pickle": True}},
+        ]
+        arrays = ArrayRecord(build.build_initial_model(honest).state_dict())
+        # where node 0's ClientApp processes write (Flower logs the error there)
+        log = fed.logs / "supernode0-warm.log"
+
+        def refusals() -> list[str]:
+            return [
+                ln for ln in log.read_text(errors="replace").splitlines() if "client_app.SpecRefused: " in ln
+            ]
+
+        before = len(refusals())
+        try:
+            for spec in crafted:
+                content = RecordDict(
+                    {keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({keys.RUN_SPEC: json.dumps(spec)})}
+                )
+                _fleet_push(fed, key, run_id, fed.node_ids[0], content)
+            _wait_for(lambda: len(refusals()) >= before + 2, 180, "node 0 to refuse both")
+        finally:
+            fed.flwr("supernode", "unregister", str(insider), CONNECTION)
+        lines = refusals()[before:]
+        assert all("its run spec differs" in ln and "nothing was built" in ln for ln in lines), lines
+        assert "dataset._target_" in lines[0] + lines[1] and "model._target_" in lines[0] + lines[1]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["insider", "insider.pub", "payload.npy"]
 
 
 @needs_flower
@@ -1246,89 +1346,6 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     train = _check_replies(fed, out, overrides, lost_node=fed.node_ids[2])
     assert sorted(r["partition_id"] for r in train) == [0, 0, 0, 1, 1, 1, 2, 2]
     _check_outsiders_refused(fed, out)
-
-
-def _fleet_push(fed: Federation, key: Path, run_id: int, dst: int, content) -> str:
-    """As a SuperNode holding ``key`` (registered), push an instruction to node ``dst`` through the front's
-    Fleet API, with Flower's own SuperNode connection; return its message id."""
-    from cryptography.hazmat.primitives import serialization
-    from flwr.app import Message, Metadata
-    from flwr.common.constant import SUPERLINK_NODE_ID
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
-    from flwr.supernode.fleet_http_connection import http_request_response
-
-    private = serialization.load_ssh_private_key(key.read_bytes(), None)
-    with http_request_response(fed.address, False, str(fed.sec.ca), (private, private.public_key())) as conn:
-        _, _, send, _, _, _, push_object, _ = conn
-        meta = Metadata(
-            run_id=run_id,
-            message_id="",
-            src_node_id=SUPERLINK_NODE_ID,  # what an instruction from the ServerApp carries
-            dst_node_id=dst,
-            reply_to_message_id="",
-            group_id="1",
-            message_type="train",
-            created_at=time.time(),
-            ttl=600,
-        )
-        msg = Message(metadata=meta, content=content)
-        msg.metadata.__dict__["_message_id"] = msg.object_id
-        objects = get_all_nested_objects(msg)
-        to_push, session = send(msg, get_object_tree(msg), 0.0)
-        for oid in to_push:
-            push_object(run_id, session, oid, objects[oid].deflate())
-    return msg.metadata.message_id
-
-
-@needs_flower
-@pytest.mark.slow  # starts Flower's processes
-def test_a_registered_node_cannot_make_another_node_run_code_through_the_fleet_api(fed, tmp_path):
-    """Insider probe, end to end: during a run, a node with a registered key pushes node 0, through the front's
-    Fleet API (Flower accepts an instruction from any registered node to any node id), train messages whose
-    run spec names ``pathlib.Path.write_text`` and ``numpy.load(allow_pickle=True)``. Node 0's ClientApp
-    refuses each with one line and no file appears."""
-    import pickle
-
-    from flwr.app import ArrayRecord, ConfigRecord, RecordDict
-
-    from fedsim import keys
-    from fedsim.client_app import spec_from_overrides
-    from fedsim.deploy.launch import CONNECTION
-
-    key = make_node_key(tmp_path / "insider")
-    insider = fed.register(None, Path(f"{key}.pub"), name="insider")
-    overrides = [*TINY, "num_rounds=20", "round_timeout=120"]  # stopped once node 0 has answered the insider
-    run_id, out = _start_run(fed, "insider", overrides)
-    honest = json.loads(spec_from_overrides(shlex.join(overrides)))
-    marker, payload = tmp_path / "ran", tmp_path / "payload.npy"
-    payload.write_bytes(pickle.dumps(_WriteOnLoad(str(tmp_path / "unpickled"))))
-    crafted = [
-        {**honest, "dataset": {"_target_": "pathlib.Path.write_text", "_args_": [str(marker), "ran"]}},
-        {**honest, "model": {"_target_": "numpy.load", "file": str(payload), "allow_pickle": True}},
-    ]
-    arrays = ArrayRecord(build.build_initial_model(honest).state_dict())
-    log = fed.logs / "supernode0-warm.log"  # where node 0's ClientApp processes write (Flower logs the error)
-
-    def refusals() -> list[str]:
-        return [ln for ln in log.read_text(errors="replace").splitlines() if "client_app.SpecRefused: " in ln]
-
-    before = len(refusals())
-    try:
-        _wait_for(lambda: fed.run_status(run_id)["status"] == "running", 120, "the run to start")
-        for spec in crafted:
-            content = RecordDict(
-                {keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({keys.RUN_SPEC: json.dumps(spec)})}
-            )
-            _fleet_push(fed, key, run_id, fed.node_ids[0], content)
-        _wait_for(lambda: len(refusals()) >= before + 2, 180, "node 0 to refuse both")
-    finally:
-        with contextlib.suppress(DeployError):  # the run may have finished
-            fed.flwr("stop", str(run_id), CONNECTION)
-        fed.flwr("supernode", "unregister", str(insider), CONNECTION)
-    lines = refusals()[before:]
-    assert all("its run spec differs" in ln and "nothing was built" in ln for ln in lines), lines
-    assert "dataset._target_" in lines[0] + lines[1] and "model._target_" in lines[0] + lines[1]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["insider", "insider.pub", "payload.npy"]
 
 
 @pytest.mark.slow  # starts Flower's processes
