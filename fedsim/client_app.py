@@ -12,8 +12,10 @@ so it is taken only from what the operator sets (docs/deploy.md, "Nothing runs b
   Under another ServerApp (Flower's own ``FedAvg``), messages carry no spec and the derived one is used.
 * fedsim's own simulation engines (``run_config`` without ``overrides``): the messages come from the
   operator's own server through the engine (in this process, its worker pipes or Ray), never from the
-  network, and their spec is used. Without one it fails with one line saying so. Flower's client-side DP wrapper
-asks for clipping with ``clipping_norm``; the app clips to it as to fedsim's ``clip-norm``.
+  network, and their spec is used. Without one it fails with one line saying so.
+
+Flower's client-side DP wrapper asks for clipping with ``clipping_norm``; the app clips to it as to fedsim's
+``clip-norm``.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 The rules and limits are ``fedsim.deploy.front``'s (``allowed``, ``Limits``): a thread per connection, at
 most ``Limits.max_conn + 64`` of them; per client address a token bucket and a cap on requests in progress
-(503 beyond, which Flower's SuperNode retries); the request line and headers within ``header_timeout``; a body that stalls for
-``body_timeout`` or then averages under ``min_rate`` is dropped; bodies over ``max_body`` get 413 before a
-byte of them is read. A body is copied in pieces into a spooled temporary file (on disk above 1 MB) and
-forwarded only once complete; the SuperLink's answer is streamed back.
+(503 beyond, which Flower's SuperNode retries), and at most ``upstream_conns`` requests at the SuperLink; the
+request line and headers within ``header_timeout``; a body that stalls for ``body_timeout``, or then averages
+under ``min_rate``, is dropped; bodies over ``max_body`` get 413 before a byte of them is read. A body is
+copied in pieces into a spooled temporary file (on disk above 1 MB) and forwarded only once complete; the
+SuperLink's answer is streamed back.
 """
 
 from __future__ import annotations
