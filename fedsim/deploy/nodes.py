@@ -296,12 +296,12 @@ class NodeGate(GridView):
 
         messages = list(messages)
         real = [m for m in messages if int(m.metadata.dst_node_id) not in self.vacant]
-        ids = iter(self._grid.push_messages(real) if real else [])
-        out = []
+        if len(real) == len(messages):
+            return self._grid.push_messages(messages)
+        out = list(self._grid.push_messages(real)) if real else []
         for m in messages:
             pid = self.vacant.get(int(m.metadata.dst_node_id))
             if pid is None:
-                out.append(next(ids))
                 continue
             m.metadata.__dict__["_message_id"] = f"vacant-{uuid.uuid4().hex}"
             if m.metadata.message_type == "query":  # discovery: the stand-in serves the partition, no data
@@ -316,6 +316,8 @@ class NodeGate(GridView):
 
     def pull_messages(self, message_ids):
         ids = list(message_ids)
+        if not self._due:
+            return self._grid.pull_messages(ids)
         real = [i for i in ids if i not in self._due]
         got = list(self._grid.pull_messages(real)) if real else []
         now = time.monotonic()
