@@ -1,22 +1,35 @@
 """fedsim's one Flower ClientApp: local training and evaluation on the node's own partition.
 
-Every engine runs this same app. The run's client spec (JSON) arrives in each message's ConfigRecord, so
-the app needs nothing from ``run_config``; the node's partition comes from ``node_config``.
+Every engine runs this same app; the node's partition comes from ``node_config``. The run's client spec (JSON:
+data set, partitioner, model, client algorithm, each with its ``_target_``) is what the app builds code from,
+so it is taken only from what the operator sets (docs/deploy.md, "Nothing runs because of a message"):
 
-Under another ServerApp (e.g. one running Flower's own ``flwr.serverapp.strategy.FedAvg``), messages carry no
-spec: the app then composes fedsim's config from the ``overrides`` string of its ``run_config`` (the key
-fedsim's ServerApp reads, declared in pyproject's ``[tool.flwr.app.config]``), so the model it builds must be
-the one that ServerApp sends. Without either it fails with one line saying so. Flower's client-side DP wrapper
-asks for clipping with ``clipping_norm``; the app clips to it as to fedsim's ``clip-norm``.
+* Deployed (``run_config`` holds ``overrides``, the key declared in pyproject's ``[tool.flwr.app.config]``
+  and set by whoever submits the run through the Control API): the app composes fedsim's config from it, as
+  fedsim's ServerApp does, and derives the spec itself. The spec a message carries is data: checked against
+  that one and, when it differs, refused with one line (``SpecRefused``) before anything is built. Flower's
+  Fleet API lets any registered SuperNode push a message to any other node, so a message proves nothing.
+  Under another ServerApp (Flower's own ``FedAvg``), messages carry no spec and the derived one is used.
+* fedsim's own simulation engines (``run_config`` without ``overrides``): the messages come from the
+  operator's own server through the engine (in this process, its worker pipes or Ray), never from the
+  network, and their spec is used. Without one it fails with one line saying so.
+
+Flower's client-side DP wrapper asks for clipping with ``clipping_norm``; the app clips to it as to fedsim's
+``clip-norm``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
+import os
+import tempfile
+from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -42,55 +55,124 @@ class MissingSpecError(RuntimeError):
     """fedsim's ClientApp got a message without a run spec and has no run config to build one from."""
 
 
+class SpecRefused(RuntimeError):
+    """A message's run spec differs from the one the operator's run config composes: nothing is built."""
+
+
 OVERRIDES = "overrides"  # run_config key (fedsim.server_app.OVERRIDES): Hydra overrides, one string
+SPEC_FILE = "run-spec-{}.json"  # in a deployed node's cache-dir: the spec it derived for a run
 
 
 @functools.lru_cache(maxsize=8)
 def spec_from_overrides(overrides: str) -> str:
-    """The client spec (JSON) of fedsim's config composed with ``overrides`` (a shell-like string).
+    """The client spec (JSON) fedsim's ServerApp sends for ``overrides`` (a shell-like string), derived here.
+
+    The same composition and checks as the ServerApp (unknown keys, bad syntax), the same client algorithm
+    (the strategy's client half, ``build.bind_client_algorithm``), so an honest message carries exactly it.
 
     Raises
     ------
     MissingSpecError
         The overrides do not compose (one line naming them).
     """
-    from fedsim.build import client_spec
+    from fedsim.build import bind_client_algorithm, build_strategy, client_spec
     from fedsim.server_app import DeployConfigError, experiment_from
 
     try:  # the same composition and checks (unknown keys, bad syntax) as fedsim's ServerApp
         cfg, _, _ = experiment_from({OVERRIDES: overrides})
+        spec = json.loads(client_spec(cfg, device=str(cfg.placement.device)))
+        # the cohort only sizes the strategy's own checks: the largest one passes whatever the server's does
+        flwr_log = logging.getLogger("flwr")
+        level = flwr_log.level
+        flwr_log.setLevel(logging.ERROR)  # the strategy's warnings are the server's to give
+        try:
+            bind_client_algorithm(spec, build_strategy(cfg, int(cfg.num_clients)))
+        finally:
+            flwr_log.setLevel(level)
     except (ConfigError, DeployConfigError) as e:
         raise MissingSpecError(
             f"fedsim's ClientApp cannot build its task from run_config {OVERRIDES}: {e}"
         ) from None
-    return client_spec(cfg, device=str(cfg.placement.device))  # the configured (or default) client algorithm
+    return json.dumps(spec, sort_keys=True)
+
+
+def _operator_spec(overrides: str, context: Context) -> str:
+    """``spec_from_overrides``, kept in the node's ``cache-dir`` per run (each message is a fresh process)."""
+    cache_dir = context.node_config.get(keys.NODE_CACHE_DIR)
+    if not cache_dir:
+        return spec_from_overrides(overrides)
+    digest = hashlib.sha256(f"{context.run_id}\n{overrides}".encode()).hexdigest()[:32]
+    path = Path(str(cache_dir)).expanduser() / SPEC_FILE.format(digest)
+    try:  # written by this node for this run (never received): the spec is the operator's
+        return path.read_text(encoding="utf-8")
+    except OSError:
+        pass
+    spec = spec_from_overrides(overrides)
+    with contextlib.suppress(OSError):  # a read-only cache only costs the composition again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".run-spec-")  # mode 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(spec)
+        os.replace(tmp, path)
+    return spec
+
+
+def _differences(sent: dict, own: dict, prefix: str = "") -> list[str]:
+    """The keys (dotted paths) where a received spec differs from the operator's."""
+    out = []
+    for k in sorted(set(sent) | set(own), key=str):
+        a, b = sent.get(k), own.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}")
+    return out
 
 
 def run_spec(msg: Message, context: Context) -> str:
-    """The run's client spec: from the message (fedsim's ServerApp), else from ``run_config['overrides']``.
+    """The run's client spec: the operator's when deployed (a message's is only checked against it), else the
+    message's (fedsim's own simulation engines).
 
     Raises
     ------
+    SpecRefused
+        Deployed, and the message's spec differs from the operator's: one line naming the keys; nothing built.
     MissingSpecError
         Neither is there: one line saying what the app needs.
     """
     config = msg.content.config_records.get(keys.CONFIG) if msg.has_content() else None
-    if config is not None and keys.RUN_SPEC in config:
-        return str(config[keys.RUN_SPEC])
+    sent = str(config[keys.RUN_SPEC]) if config is not None and keys.RUN_SPEC in config else None
     overrides = context.run_config.get(OVERRIDES)
     if overrides is None:
+        if sent is not None:
+            return sent
         raise MissingSpecError(
             f"fedsim's ClientApp needs its run's config: run it under fedsim's ServerApp (which sends "
             f'{keys.RUN_SPEC!r} in every message), or declare {OVERRIDES} = "<fedsim overrides>" in '
             '[tool.flwr.app.config] (e.g. overrides = "num_clients=10 model=mlp") so that it composes the '
             "same config as the ServerApp's model and data"
         )
-    return spec_from_overrides(str(overrides))
+    own = _operator_spec(str(overrides), context)
+    if sent is not None and sent != own:
+        try:
+            theirs = json.loads(sent)
+            diff = _differences(theirs, json.loads(own)) if isinstance(theirs, dict) else ["(not a mapping)"]
+        except ValueError:
+            diff = ["(not JSON)"]
+        if diff:
+            shown = ", ".join(d[:60] for d in diff[:6]) + (
+                f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+            )
+            raise SpecRefused(
+                f"fedsim's ClientApp refused {msg.metadata.message_type} message "
+                f"{str(msg.metadata.message_id)[:16] or '(no id)'}: its run spec differs from the one run_config "
+                f"{OVERRIDES} composes ({shown}); nothing was built from it"
+            )
+    return own
 
 
-def _task(msg: Message, context: Context) -> ClientTask:
+def _task(spec: str, context: Context) -> ClientTask:
     """This node's task: its partition of the run's data set, or its own folder when ``data-dir`` is set."""
-    spec = run_spec(msg, context)
     partition_id = node_partition(context.node_config, spec)
     data_dir = context.node_config.get(keys.NODE_DATA_DIR)
     if data_dir:
@@ -133,8 +215,9 @@ def _clip_to(task: ClientTask, start: dict[str, torch.Tensor], clip_norm: float)
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Train on the local partition from the received global model."""
-    task = _task(msg, context)
-    ins = parse_train(_with_spec(msg, run_spec(msg, context)))
+    spec = run_spec(msg, context)  # before anything is built
+    task = _task(spec, context)
+    ins = parse_train(_with_spec(msg, spec))
     clip_norm = _clip_norm(ins)
     algorithm = task.algorithm or client_algorithm(json.loads(ins.spec))
     local = flower_train_config(task.local, ins.unhandled, context.run_config, foreign=_foreign(msg))
@@ -243,9 +326,9 @@ def _number(key: str, value) -> float:
 
 
 def _with_spec(msg: Message, spec: str) -> ConfigRecord:
-    """The message's train config with the run spec in it (a copy when it had none: Flower's own servers)."""
+    """The message's train config holding ``spec`` (``run_spec``'s; a copy unless it holds that already)."""
     config = msg.content.config_records.get(keys.CONFIG)
-    if config is not None and keys.RUN_SPEC in config:
+    if config is not None and config.get(keys.RUN_SPEC) == spec:
         return config
     return ConfigRecord({**(dict(config.items()) if config is not None else {}), keys.RUN_SPEC: spec})
 
@@ -306,10 +389,11 @@ def _inject(task: ClientTask, rnd: int, state: dict[str, torch.Tensor]) -> dict[
 def evaluate_fn(msg: Message, context: Context) -> Message:
     """Evaluate the model this client would use on its validation split: the global one, made personal by a
     personalised client algorithm (Ditto's personal model, FedPer's own layers) from the client's state."""
-    task = _task(msg, context)
+    spec = run_spec(msg, context)  # before anything is built
+    task = _task(spec, context)
     _load(task, msg.content[keys.ARRAYS])
     cfg = msg.content.config_records.get(keys.CONFIG) or ConfigRecord()
-    algorithm = task.algorithm or client_algorithm(json.loads(run_spec(msg, context)))
+    algorithm = task.algorithm or client_algorithm(json.loads(spec))
     if algorithm.stateful:  # the state this client saved in round r is version r: read it for round r's eval
         rnd = int(cfg.get(keys.SERVER_ROUND, 0))
         algorithm.personalize(task.model, _state_store(context, task.partition_id, rnd + 1).load())
@@ -327,6 +411,6 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
 @app.query()
 def query(msg: Message, context: Context) -> Message:
     """Report this node's partition id and size (used to map node ids to partitions)."""
-    task = _task(msg, context)
+    task = _task(run_spec(msg, context), context)
     metrics = {keys.PARTITION_ID: task.partition_id, keys.NUM_EXAMPLES: int(task.x_train.shape[0])}
     return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)

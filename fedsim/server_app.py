@@ -135,7 +135,8 @@ class ReplyLog(GridView):
         replies = list(replies)
         if replies and self._file is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._path, "a", encoding="utf-8")
+            fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # names node ids
+            self._file = os.fdopen(fd, "a", encoding="utf-8")
         for r in replies:
             # the SuperLink answers itself for a node it gave up on: name the node the message was sent to
             node = self._dst.pop(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))
@@ -306,7 +307,9 @@ def serve(grid: Grid, run_config: dict) -> None:
             NODES,
         )
     replies = ReplyLog(grid, out_dir / "replies.jsonl")
-    gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE)
+    # a partition whose bound node was refused waits half of node_timeout for another node, then is skipped
+    wait = float(cfg.get("node_timeout") or 300) / 2
+    gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE, vacancy_wait=wait)
     try:
         summary = run_experiment(cfg, out_dir, choices, grid=gate)
     except ConfigError as e:

@@ -11,6 +11,8 @@ federation: packaging, commands, the binding, the front's rules, certificates an
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +45,7 @@ from fedsim.deploy import (
     supernode_command,
     wait_for_superlink,
 )
+from fedsim.deploy.front import Limits
 from fedsim.deploy.launch import running
 from fedsim.node_data import save_node_data
 from fedsim.server_app import DeployConfigError, binding_from, experiment_from
@@ -164,6 +167,96 @@ def test_pyproject_declares_the_flower_app():
     assert set(tool["config"]) == {"overrides", "out-dir", "nodes"}
 
 
+# ---- nothing runs because of a message (insider: a registered node addressing another) --------------
+
+
+def _node_context(overrides: str, partition_id: int = 0, node: dict | None = None):
+    """The Context a deployed SuperNode's ClientApp gets: the operator's run config, the node's own config."""
+    from flwr.app import Context, RecordDict
+
+    node_config = {"partition-id": partition_id, "num-partitions": N, **(node or {})}
+    run_config = {"overrides": overrides, "out-dir": "", "nodes": ""}
+    return Context(run_id=7, node_id=100, node_config=node_config, state=RecordDict(), run_config=run_config)
+
+
+def _instruction(spec: str, kind: str = "train", arrays=None):
+    """A fedsim instruction from node 1 to node 0 (Flower's Fleet lets any registered node address any other)."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedsim import keys
+
+    records = {keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec, keys.SERVER_ROUND: 1})}
+    if arrays is not None:
+        records[keys.ARRAYS] = arrays
+    return message(src=1, dst=0, content=RecordDict(records), kind=kind)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [" ".join(TINY), " ".join([*TINY, "strategy=scaffold"]), " ".join([*TINY, "strategy=fedbuff"])],
+)
+def test_a_node_derives_the_spec_fedsims_server_sends(overrides):
+    """An honest message is never refused: the node composes exactly the spec the ServerApp sends (the
+    strategy's client half included)."""
+    from fedsim.client_app import spec_from_overrides
+    from fedsim.experiment import build_experiment
+
+    cfg, _, _ = experiment_from({"overrides": overrides})
+    assert spec_from_overrides(overrides) == build_experiment(cfg, deployed=True).spec_json
+
+
+def test_a_crafted_instruction_builds_nothing_on_the_node_it_is_pushed_to(tmp_path, monkeypatch):
+    """Insider probe: node 1 pushes node 0 instructions whose run spec names ``_target_``s that write a file
+    (``pathlib.Path.write_text``) or unpickle one (``numpy.load(allow_pickle=True)``), delivered through
+    Flower's own ClientApp dispatch with node 0's deployed Context: each is refused with one line, nothing is
+    instantiated, no file appears; the operator's spec still serves an honest message."""
+    import pickle
+
+    from fedsim import build
+    from fedsim.client_app import SpecRefused, app, spec_from_overrides
+
+    overrides = " ".join(TINY)
+    honest = spec_from_overrides(overrides)
+    marker, payload = tmp_path / "ran", tmp_path / "payload.npy"
+    payload.write_bytes(pickle.dumps(_WriteOnLoad(str(tmp_path / "unpickled"))))
+    write = {"_target_": "pathlib.Path.write_text", "_args_": [str(marker), "foreign code ran"]}
+    load = {"_target_": "numpy.load", "file": str(payload), "allow_pickle": True}
+    crafted = []
+    for section, node in [("dataset", write), ("model", load), ("partitioner", write), ("task", load)]:
+        crafted.append({**json.loads(honest), section: node})
+    crafted.append(
+        {**json.loads(honest), "client": {**json.loads(honest)["client"], "_target_": "numpy.load"}}
+    )
+    built = []
+    monkeypatch.setattr(build, "instantiate", lambda *a, **k: built.append(a) or pytest.fail("instantiated"))
+    build.client_task.cache_clear()
+    context = _node_context(overrides, node={"cache-dir": str(tmp_path / "cache")})
+    for spec in crafted:
+        for kind in ("train", "evaluate", "query"):
+            with pytest.raises(SpecRefused) as err:
+                app(_instruction(json.dumps(spec), kind), context)
+            line = str(err.value)
+            assert "\n" not in line and f"refused {kind} message" in line and "nothing was built" in line
+    assert not built and sorted(p.name for p in tmp_path.iterdir()) == ["cache", "payload.npy"]
+    (cached,) = (tmp_path / "cache").iterdir()  # the spec the node derived, kept for the run's next messages
+    assert cached.read_text() == honest and cached.stat().st_mode & 0o777 == 0o600
+    monkeypatch.undo()
+    reply = app(
+        _instruction(json.dumps(json.loads(honest), indent=1), "query"), context
+    )  # same spec, other text
+    assert reply.content["metrics"]["partition-id"] == 0
+
+
+class _WriteOnLoad:
+    """A pickle that writes a file when it is loaded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.write_text, (Path(self.path), "unpickled"))
+
+
 # ---- nodes bound to partitions -------------------------------------------------------------------------
 
 
@@ -250,19 +343,6 @@ class FakeFleet:
         return list(reversed(out))  # replies come back in any order
 
 
-def _connect(grid, num_clients=3, node_timeout=3.0):
-    """``connect_sizes`` as the server loop calls it."""
-    from strategy_helpers import server_identity
-
-    from fedsim.server import LoopConfig, connect_sizes
-
-    loop = LoopConfig(
-        seed=0, num_clients=num_clients, num_rounds=1, clients_per_round=num_clients, node_timeout=3
-    )
-    with server_identity():
-        return connect_sizes(grid, loop, "{}")
-
-
 def test_unlisted_and_misclaiming_nodes_get_no_work_and_are_counted(tmp_path, caplog):
     """Bound by key: an unlisted node (registered first, claiming 0) is never asked; a node bound to 1
     claiming 0 is refused; one warning line each; the honest nodes get the partitions; nodes.json says why."""
@@ -322,20 +402,57 @@ def test_without_a_binding_a_duplicate_claim_keeps_the_first_registered(tmp_path
     assert _connect(fleet, num_clients=2)[0] == {0: 10, 1: 11}
 
 
-@pytest.mark.slow
-def test_a_partition_left_open_by_a_refused_claim_is_an_error_naming_it(tmp_path):
-    from fedsim.deploy.nodes import NodeGate, parse_binding
+def _connect(grid, num_clients=3, node_timeout=3.0):
+    """``connect_sizes`` as the server loop calls it."""
+    from strategy_helpers import server_identity
+
+    from fedsim.server import LoopConfig, connect_sizes
+
+    loop = LoopConfig(
+        seed=0,
+        num_clients=num_clients,
+        num_rounds=1,
+        clients_per_round=num_clients,
+        node_timeout=node_timeout,
+    )
+    with server_identity():
+        return connect_sizes(grid, loop, "{}")
+
+
+def test_a_partition_left_open_by_a_refused_claim_is_skipped_and_the_run_goes_on(tmp_path, caplog):
+    """Insider probe: node 11, bound to partition 1, claims 0. Refused (one line); partition 1 waits
+    ``vacancy_wait`` seconds for another node, then is skipped: a stand-in takes it, its tasks fail as
+    "unavailable" without reaching the SuperLink, nodes.json lists it. Without a wait set, the server waits
+    ``node_timeout`` and stops naming it (the old behaviour)."""
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from strategy_helpers import server_identity
+
+    from fedsim.deploy.nodes import VACANT, NodeGate, parse_binding
     from fedsim.errors import RunError
+    from fedsim.grid_utils import UNAVAILABLE_CODES
 
     pubs = [Path(str(make_node_key(tmp_path / f"k{i}")) + ".pub") for i in range(2)]
     binding = parse_binding({0: pubs[0].read_text(), 1: pubs[1].read_text()})
     fleet = FakeFleet(
         [(10, _pem(pubs[0]), "", 0), (11, _pem(pubs[1]), "", 0)]
     )  # node 11 claims 0, bound to 1
-    t0 = time.monotonic()
     with pytest.raises(RunError, match=r"no node answered for partition ids \[1\]"):
         _connect(NodeGate(fleet, binding, 2), num_clients=2, node_timeout=1)
-    assert time.monotonic() - t0 < 10  # waits node_timeout for another node to take it, then stops
+    gate = NodeGate(fleet, binding, 2, tmp_path / "nodes.json", vacancy_wait=0.5)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedsim"):
+        node_of, sizes = _connect(gate, num_clients=2, node_timeout=30)
+    assert node_of == {0: 10, 1: VACANT - 1} and sizes == {0: 10, 1: 0}
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 2 and "node 11" in lines[0] and "partition 1 has no node" in lines[1]
+    assert not any("\n" in ln or "Traceback" in ln for ln in lines)
+    t0 = time.monotonic()
+    with server_identity():
+        task = Message(RecordDict({"config": ConfigRecord({"server-round": 1})}), VACANT - 1, "train")
+        (reply,) = gate.send_and_receive([task], timeout=30)
+    assert reply.has_error() and reply.error.code in UNAVAILABLE_CODES and time.monotonic() - t0 < 5
+    doc = json.loads((tmp_path / "nodes.json").read_text())
+    assert doc["vacant"] == [1] and [a["node_id"] for a in doc["accepted"]] == [10]
 
 
 # ---- the public front ----------------------------------------------------------------------------------
@@ -371,7 +488,7 @@ def test_python_front_forwards_fleet_calls_and_refuses_the_rest():
     """The fallback proxy against a stand-in SuperLink (plain HTTP): bodies and headers pass, others 403."""
     import http.server
 
-    from fedsim.deploy import front
+    from fedsim.deploy import pyfront
 
     seen = []
 
@@ -395,7 +512,7 @@ def test_python_front_forwards_fleet_calls_and_refuses_the_rest():
     threading.Thread(target=upstream.serve_forever, daemon=True).start()
     port = free_port()
     threading.Thread(
-        target=front.serve, args=("127.0.0.1", port, upstream.server_address[1]), daemon=True
+        target=pyfront.serve, args=("127.0.0.1", port, upstream.server_address[1]), daemon=True
     ).start()
 
     def call(path: str, method: str = "POST") -> int:
@@ -539,6 +656,38 @@ def test_certs_keep_the_ca_key_apart_and_keys_private(tmp_path):
     assert (tmp_path / "loose").stat().st_mode & 0o777 == 0o600
 
 
+def test_node_ids_and_secrets_are_the_operators_only_and_secrets_go_at_exit(tmp_path):
+    """nodes.json and replies.jsonl (they name node ids) 0600; ``certs`` makes an existing folder 0700; the
+    secrets a federation or a ``supernode`` command wrote are gone when it stops."""
+    from flwr.app import RecordDict
+
+    from fedsim.deploy.__main__ import _run_node
+    from fedsim.deploy.launch import write_secret
+    from fedsim.deploy.nodes import NodeGate
+    from fedsim.server_app import ReplyLog
+
+    gate = NodeGate(FakeFleet([(10, b"", "", 0)]), None, 1, tmp_path / "run" / "nodes.json")
+    gate.accept(10, 0)
+    replies = ReplyLog(None, tmp_path / "run" / "replies.jsonl")
+    replies._record([message(10, 0, "m", content=RecordDict())])
+    replies.close()
+    for f in ("nodes.json", "replies.jsonl"):
+        assert (tmp_path / "run" / f).stat().st_mode & 0o777 == 0o600, f
+    (tmp_path / "certs").mkdir(mode=0o755)
+    assert make_certs(tmp_path / "certs", nodes=0).stat().st_mode & 0o777 == 0o700
+    fed = Federation(tmp_path / "w", Security(tls=False, auth=False), echo=lambda _: None)
+    secret = fed._secret(fed.workdir / "x.secret")
+    fed.stop()
+    assert not secret.exists()
+    folder = tmp_path / "node-secret"
+    folder.mkdir()
+    write_secret(folder / "superexec.secret")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    assert _run_node([sys.executable, "-c", "pass"], sleeper, folder) == 0
+    assert not folder.exists() and time.monotonic() - t0 < 30  # the warm one was stopped with the node
+
+
 # ---- bad input: one clear error each, nothing hangs ----------------------------------------------------
 
 
@@ -623,7 +772,9 @@ def fed(tmp_path_factory):
     save_node_data(
         root / "node2-data", ds.x_train[:n], ds.y_train[:n], ds.x_train[n : n + v], ds.y_train[n : n + v]
     )
-    f = Federation(root / "work", Security(tls=True, auth=True, certs=certs), cwd=root, echo=lambda _: None)
+    limits = Limits(header_timeout=5, body_timeout=5)  # stalled senders cut sooner than the default 15 s
+    sec = Security(tls=True, auth=True, certs=certs)
+    f = Federation(root / "work", sec, cwd=root, echo=lambda _: None, limits=limits)
     f.root = root
     f.outsiders = {}  # name -> node id of the nodes that must get no work
     try:
@@ -640,6 +791,13 @@ def fed(tmp_path_factory):
             f.start_supernode(i, N, data_dir=data, warm=i != 2, poll=0.25 if i == 0 else None)
         for name in f.outsiders:
             f.start_supernode(0, N, key=root / name / "key", name=name)
+        # a second front, fedsim's Python fallback, on another port of the same SuperLink (the abuse probes)
+        f.python_front = f"127.0.0.1:{free_port()}"
+        c = [str(certs / x) for x in ("server.pem", "server.key", "ca.crt")]
+        cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", f.python_front]
+        cmd += ["--upstream-port", str(f.internal_port), "--cert", c[0], "--key", c[1], "--ca", c[2]]
+        f.spawn("front-python", [*cmd, "--limits", json.dumps(dataclasses.asdict(limits))])
+        wait_for_superlink(f.python_front, 60, f.sec.ca)
         f.wait_nodes_online(N + len(f.outsiders), timeout=180)
         yield f
     finally:
@@ -868,6 +1026,276 @@ def test_stranger_with_only_the_ca_certificate_cannot_use_the_public_port(fed, t
     assert list(markers.iterdir()) == []  # the run was never created, so nothing was queued for any node
 
 
+ABUSER = "127.0.0.2"  # the stranger's own loopback address: the fronts limit it apart from the honest nodes
+
+
+def _abuser(address: str, ca: Path, timeout: float = 60) -> ssl.SSLSocket:
+    """A TLS connection to a front from ``ABUSER`` (the stranger holds ``ca.crt``, no node key)."""
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=timeout, source_address=(ABUSER, 0))
+    return ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname="localhost")
+
+
+def _head(length: int | None, path: str = "/v1/fleet/push-object") -> bytes:
+    size = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    return f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/protobuf\r\n{size}\r\n\r\n".encode()
+
+
+def _status(sock) -> int | None:
+    """The status of the front's answer, None when it closed the connection without one."""
+    try:
+        parts = sock.makefile("rb").readline().split()
+    except OSError:
+        return None
+    return int(parts[1]) if len(parts) > 1 else None
+
+
+def _oversized(address: str, ca: Path, chunked: bool) -> int | None:
+    """POST 256 MB (declared) or an endless chunked body, 1 MB at a time, until the front answers."""
+    import select
+
+    mb = 1024 * 1024
+    with _abuser(address, ca, timeout=30) as s:
+        s.sendall(_head(None if chunked else 256 * mb))
+        for _ in range(64):
+            if select.select([s], [], [], 0)[0]:
+                break
+            try:
+                s.sendall(b"%x\r\n%s\r\n" % (mb, bytes(mb)) if chunked else bytes(mb))
+            except OSError:
+                break
+        return _status(s)
+
+
+def _slow(address: str, ca: Path, out: list, hold: threading.Event | None = None) -> None:
+    """Declare 1 MB, send 1 KB, stall: ``out`` gets (status or None, seconds until the front let go)."""
+    t0 = time.monotonic()
+    try:
+        with _abuser(address, ca) as s:
+            s.sendall(_head(1024 * 1024) + bytes(1024))
+            if hold is not None:  # the caller only counts the refusals, then lets go itself
+                s.settimeout(1.5)
+            out.append((_status(s), time.monotonic() - t0))
+            if hold is not None:
+                hold.wait(60)
+    except OSError:
+        out.append((None, time.monotonic() - t0))
+
+
+def _flood(address: str, ca: Path, n: int) -> list[int]:
+    """``n`` pipelined requests the front refuses itself (GET on a Fleet route: 403, without asking the
+    SuperLink) from one connection: the statuses it answered before closing it."""
+    statuses = []
+    with _abuser(address, ca) as s:
+        s.sendall(b"GET /v1/fleet/pull-messages HTTP/1.1\r\nHost: localhost\r\n\r\n" * n)
+        f = s.makefile("rb")
+        try:
+            while len(statuses) < n:
+                parts = f.readline().split()
+                if len(parts) < 2:
+                    break
+                statuses.append(int(parts[1]))
+                length, close = 0, False
+                while (line := f.readline().strip()) != b"":
+                    k, _, v = line.partition(b":")
+                    length = int(v) if k.lower() == b"content-length" else length
+                    close = close or (k.lower() == b"connection" and b"close" in v.lower())
+                f.read(length)
+                if close:
+                    break
+        except OSError:
+            pass
+    return statuses
+
+
+def _proc_status(pid: int, field: str) -> int:
+    """A number from /proc/PID/status (``VmRSS`` in kB, ``Threads``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _fleet_push(fed: Federation, key: Path, run_id: int, dst: int, content) -> str:
+    """As a SuperNode holding ``key`` (registered), push an instruction to node ``dst`` through the front's
+    Fleet API, with Flower's own SuperNode connection; return its message id."""
+    from cryptography.hazmat.primitives import serialization
+    from flwr.app import Message, Metadata
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+    from flwr.supernode.fleet_http_connection import http_request_response
+
+    private = serialization.load_ssh_private_key(key.read_bytes(), None)
+    with http_request_response(fed.address, False, str(fed.sec.ca), (private, private.public_key())) as conn:
+        _, _, send, _, _, _, push_object, _ = conn
+        meta = Metadata(
+            run_id=run_id,
+            message_id="",
+            src_node_id=SUPERLINK_NODE_ID,  # what an instruction from the ServerApp carries
+            dst_node_id=dst,
+            reply_to_message_id="",
+            group_id="1",
+            message_type="train",
+            created_at=time.time(),
+            ttl=600,
+        )
+        msg = Message(metadata=meta, content=content)
+        msg.metadata.__dict__["_message_id"] = msg.object_id
+        objects = get_all_nested_objects(msg)
+        to_push, session = send(msg, get_object_tree(msg), 0.0)
+        for oid in to_push:
+            push_object(run_id, session, oid, objects[oid].deflate())
+    return msg.metadata.message_id
+
+
+PROBE_RUN = [*TINY, "num_rounds=100", "round_timeout=120", "clients_per_round=2"]  # stopped by the class
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+class TestProbesDuringARun:
+    """The probes that need a run in progress share one: the two warm nodes train round after round (a seed
+    whose first cohorts of 2 are partitions 0 and 1, so a round takes seconds), stopped after the class."""
+
+    @pytest.fixture(scope="class")
+    def run(self, fed):
+        from fedsim.deploy.launch import CONNECTION
+        from fedsim.server import sample_cohort
+
+        seed = next(
+            s for s in range(10_000) if all(sorted(sample_cohort(s, r, N, 2)) == [0, 1] for r in range(1, 5))
+        )
+        overrides = [*PROBE_RUN, f"seed={seed}"]
+        run_id, out = _start_run(fed, "probes", overrides)
+        _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2, 300, "round 1")
+        yield run_id, out, overrides
+        with contextlib.suppress(DeployError):  # it may have ended
+            fed.flwr("stop", str(run_id), CONNECTION)
+
+    def test_oversized_and_slow_bodies_move_neither_the_superlinks_memory_nor_the_round_time(self, fed, run):
+        """Stranger probe, both fronts (nginx, or the Python one where nginx is missing, and the Python one):
+        during round 2 of the run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
+        Python front) and 40 stalled 1 MB bodies per front (cut off: 408 or closed). The SuperLink's RSS stays
+        within 64 MB of what it was, the abused round lasts as long as the clean one (within noise), the Python
+        front's threads stay bounded. Then a flood of pipelined requests meets 503s (``limit_req``) and the 65th
+        concurrent request from one address 503 (``limit_conn``)."""
+        fronts = [fed.address, fed.python_front]
+        link, pyfront = fed.procs["superlink"].pid, fed.procs["front-python"].pid
+        _, out, _ = run  # round 1 is done
+        rss0, rss, threads = _proc_status(link, "VmRSS"), [], []
+        stop = threading.Event()
+
+        def sample():
+            while not stop.is_set():
+                rss.append(_proc_status(link, "VmRSS"))
+                threads.append(_proc_status(pyfront, "Threads"))
+                time.sleep(0.1)
+
+        slow: dict[str, list] = {a: [] for a in fronts}
+        big: dict[str, list] = {a: [] for a in fronts}
+        jobs = [threading.Thread(target=sample)]
+        for a in fronts:
+            jobs += [threading.Thread(target=_slow, args=(a, fed.sec.ca, slow[a])) for _ in range(40)]
+            for chunked in (False, False, False, False, True, True):
+                jobs.append(
+                    threading.Thread(
+                        target=lambda a=a, c=chunked: big[a].append((c, _oversized(a, fed.sec.ca, c)))
+                    )
+                )
+        for j in jobs:
+            j.start()
+        _wait_for(lambda: len(read_metrics(out)) >= 3, 300, "round 2")
+        for j in jobs[1:]:
+            j.join(timeout=120)
+        stop.set()
+        jobs[0].join()
+        records = read_metrics(out)[:3]
+        gaps = [b["wall_time"] - a["wall_time"] for a, b in zip(records, records[1:])]
+        clean, abused = gaps  # rounds 1 and 2
+        print(
+            f"rounds {[round(g, 2) for g in gaps]} s; SuperLink RSS {rss0 // 1024} -> max {max(rss) // 1024} MB; "
+            f"Python front threads max {max(threads)}"
+        )
+        assert max(rss) - rss0 < 64 * 1024, (rss0, max(rss))
+        assert abused <= 1.5 * clean + 2.0, gaps
+        assert (
+            max(threads) <= 2 * (40 + 6) + 2
+        )  # a thread per connection (and a header timer while it sends them)
+        for a in fronts:
+            python = a == fed.python_front or fed.front == "python"
+            assert [code for chunked, code in big[a] if not chunked] == [413] * 4, (a, big[a])
+            # a chunked body: 411 from the Python front; nginx reads it up to the limit, then answers 413 and closes
+            # (the client may see the reset before the answer)
+            chunked = [code for c, code in big[a] if c]
+            assert chunked == [411] * 2 if python else set(chunked) <= {413, None}, (a, big[a])
+            assert len(slow[a]) == 40 and all(code in (None, 408) and t < 45 for code, t in slow[a]), slow[a]
+        # rates and connections per address
+        for a in fronts:
+            statuses = _flood(a, fed.sec.ca, 800)
+            assert statuses.count(403) >= 300 and 503 in statuses, (a, statuses.count(403), statuses[-3:])
+            held, release = [], threading.Event()
+            conns = [threading.Thread(target=_slow, args=(a, fed.sec.ca, held, release)) for _ in range(70)]
+            for t in conns:
+                t.start()
+            _wait_for(lambda held=held: len(held) == 70, 60, "70 connections")
+            release.set()
+            for t in conns:
+                t.join()
+            assert 6 <= [code for code, _ in held].count(503) < 70, (a, held)  # 64 held at most
+        assert len(_online(fed)) == N + len(fed.outsiders)
+
+    def test_a_registered_node_cannot_make_another_node_run_code_through_the_fleet_api(
+        self, fed, run, tmp_path
+    ):
+        """Insider probe, end to end: during a run, a node with a registered key pushes node 0, through the front's
+        Fleet API (Flower accepts an instruction from any registered node to any node id), train messages whose
+        run spec names ``pathlib.Path.write_text`` and ``numpy.load(allow_pickle=True)``. Node 0's ClientApp
+        refuses each with one line and no file appears."""
+        import pickle
+
+        from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+        from fedsim import keys
+        from fedsim.client_app import spec_from_overrides
+        from fedsim.deploy.launch import CONNECTION
+
+        key = make_node_key(tmp_path / "insider")
+        insider = fed.register(None, Path(f"{key}.pub"), name="insider")
+        run_id, _, overrides = run
+        honest = json.loads(spec_from_overrides(shlex.join(overrides)))
+        marker, payload = tmp_path / "ran", tmp_path / "payload.npy"
+        payload.write_bytes(pickle.dumps(_WriteOnLoad(str(tmp_path / "unpickled"))))
+        crafted = [
+            {**honest, "dataset": {"_target_": "pathlib.Path.write_text", "_args_": [str(marker), "ran"]}},
+            {**honest, "model": {"_target_": "numpy.load", "file": str(payload), "allow_pickle": True}},
+        ]
+        arrays = ArrayRecord(build.build_initial_model(honest).state_dict())
+        # where node 0's ClientApp processes write (Flower logs the error there)
+        log = fed.logs / "supernode0-warm.log"
+
+        def refusals() -> list[str]:
+            return [
+                ln for ln in log.read_text(errors="replace").splitlines() if "client_app.SpecRefused: " in ln
+            ]
+
+        before = len(refusals())
+        try:
+            for spec in crafted:
+                content = RecordDict(
+                    {keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({keys.RUN_SPEC: json.dumps(spec)})}
+                )
+                _fleet_push(fed, key, run_id, fed.node_ids[0], content)
+            _wait_for(lambda: len(refusals()) >= before + 2, 180, "node 0 to refuse both")
+        finally:
+            fed.flwr("supernode", "unregister", str(insider), CONNECTION)
+        lines = refusals()[before:]
+        assert all("its run spec differs" in ln and "nothing was built" in ln for ln in lines), lines
+        assert "dataset._target_" in lines[0] + lines[1] and "model._target_" in lines[0] + lines[1]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["insider", "insider.pub", "payload.npy"]
+
+
 @needs_flower
 @pytest.mark.slow  # starts Flower's processes
 def test_deployed_run_without_a_binding_survives_a_duplicate_claim(fed):
@@ -954,7 +1382,7 @@ def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(c
     assert node[0] == "flower-supernode" and node[node.index("--isolation") + 1] == "process"
     secret = "--superexec-auth-secret-file"
     assert warm[warm.index(secret) + 1] == node[node.index(secret) + 1]  # the node lets only its warm one in
-    assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid the exec'd SuperNode keeps
+    assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid that waits for the SuperNode
     assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm"]) == 0
     out = capsys.readouterr().out
     assert "--isolation" not in out and "fedsim.deploy.warm" not in out

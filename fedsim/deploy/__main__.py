@@ -217,6 +217,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _front_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=None,
+        help="largest request body the front forwards, in MB (default: twice the largest Fleet body the model "
+        "needs, plus 1 MB: at most 11 MB, with Flower's 5 MB array chunks; see docs/deploy.md)",
+    )
+    p.add_argument(
         "--front",
         choices=FRONTS,
         default="auto",
@@ -234,6 +241,31 @@ def cache_folder(arg: str | None, default: Path | None) -> str | None:
         return None
     where = Path(arg).expanduser() if arg is not None else default
     return str(where.resolve()) if where is not None else None
+
+
+def model_bytes(overrides: str) -> int | None:
+    """The size of the model the run ``overrides`` compose, in bytes (None when they do not compose)."""
+    import json
+
+    from fedsim.build import build_initial_model
+    from fedsim.client_app import MissingSpecError, spec_from_overrides
+
+    try:
+        model = build_initial_model(json.loads(spec_from_overrides(overrides)))
+    except MissingSpecError:
+        return None  # the run fails with the same error, in one line
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def front_limits(max_body_mb: float | None, model: int | None = None):
+    """The front's limits: ``--max-body-mb``, else sized from the model (``front.body_limit``)."""
+    from fedsim.deploy.front import MB, Limits, body_limit
+
+    if max_body_mb is None:
+        return Limits(max_body=body_limit(model))
+    if not (math.isfinite(max_body_mb) and max_body_mb > 0):
+        raise DeployError(f"--max-body-mb={max_body_mb} is not allowed: expected a number of MB > 0")
+    return Limits(max_body=max(1, int(max_body_mb * MB)))
 
 
 def default_overrides(nodes: int, overrides: str) -> list[str]:
@@ -262,7 +294,8 @@ def run_local(args: argparse.Namespace) -> int:
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir()
     overrides = shlex.join(default_overrides(args.nodes, args.overrides))
     t0 = time.monotonic()
-    with Federation(workdir, sec, host=args.host, port=args.port, front=args.front) as fed:
+    limits = front_limits(args.max_body_mb, model_bytes(overrides) if args.max_body_mb is None else None)
+    with Federation(workdir, sec, host=args.host, port=args.port, front=args.front, limits=limits) as fed:
         print(
             f"# SuperLink up after {fed.start_superlink():.1f} s on {fed.control_address}; "
             f"SuperNodes use {fed.address}"
@@ -311,7 +344,8 @@ def run_superlink(args: argparse.Namespace) -> int:
         tls=not args.insecure, auth=not args.insecure, certs=args.certs.resolve() if args.certs else None
     )
     workdir = args.workdir.resolve()
-    fed = Federation(workdir, sec, host=args.host, port=args.port, front=args.front)
+    limits = front_limits(args.max_body_mb)
+    fed = Federation(workdir, sec, host=args.host, port=args.port, front=args.front, limits=limits)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     try:
@@ -364,7 +398,7 @@ def _openssh(ident) -> str:
 
 
 def run_supernode(args: argparse.Namespace) -> int:
-    """The ``supernode`` subcommand: check, print, then replace this process by ``flower-supernode``."""
+    """The ``supernode`` subcommand: check, print, then run ``flower-supernode`` until it ends (or SIGTERM)."""
     if args.insecure == (args.root_certificates is not None):
         raise DeployError("give either --root-certificates CA_CERT (TLS) or --insecure")
     if args.insecure and args.key is not None:
@@ -398,28 +432,52 @@ def run_supernode(args: argparse.Namespace) -> int:
         poll=args.node_poll,
     )
     warm = warm_command(args.port, Path("SECRET"), parent_pid=os.getpid()) if args.warm else None
-    if warm is not None:  # this process becomes the SuperNode (exec keeps the pid the warm one watches)
+    folder = None
+    if warm is not None:  # the warm SuperExec stops when this process (which waits for the SuperNode) ends
         import tempfile
 
         from fedsim.deploy.launch import write_secret
 
         secret = "<a fresh secret file>"
         if not args.dry_run:
-            secret = str(
-                write_secret(Path(tempfile.mkdtemp(prefix="fedsim-supernode-")) / "superexec.secret")
-            )
+            folder = Path(tempfile.mkdtemp(prefix="fedsim-supernode-"))  # mode 0700
+            secret = str(write_secret(folder / "superexec.secret"))
         cmd, warm = ([secret if a == "SECRET" else a for a in c] for c in (cmd, warm))
         print("$ " + shlex.join(warm), flush=True)
     print("$ " + shlex.join(cmd), flush=True)
     if args.dry_run:
         return 0
-    env = {**os.environ, **FLWR_ENV}
-    if warm is not None:
-        import subprocess
+    return _run_node(cmd, warm, folder)
 
-        subprocess.Popen(warm, env=env)  # stops when the SuperNode (this pid) ends
-    os.execvpe(cmd[0], cmd, env)
-    return 1  # not reached
+
+def _run_node(cmd: list[str], warm: list[str] | None, folder: Path | None) -> int:
+    """Run the SuperNode (and its warm SuperExec) until it exits or this process gets SIGTERM/Ctrl-C; then
+    stop both and remove the secret's folder. Returns the SuperNode's exit status."""
+    import shutil
+    import subprocess
+
+    from fedsim.deploy.launch import terminate
+
+    env = {**os.environ, **FLWR_ENV}
+    procs = []
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    try:
+        if warm is not None:
+            procs.append(subprocess.Popen(warm, env=env))
+        node = subprocess.Popen(cmd, env=env)
+        procs.insert(0, node)
+        while node.poll() is None and not stopping:
+            time.sleep(0.2)
+        return 0 if stopping else int(node.returncode)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        terminate([p.pid for p in procs if p.poll() is None], timeout=15)
+        for p in procs:
+            p.wait()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)  # the SuperExec secret lives only as long as the node
 
 
 def _seconds(text: str) -> float:

@@ -10,8 +10,8 @@
 
 The CA's private key signs the server certificate and is then thrown away, unless ``ca_key`` names a file
 for it, which must lie outside ``folder``: nothing the SuperLink host needs sits next to it. Every private key
-is created readable by its owner only (mode 0600, set before any byte is written), and a folder this module
-creates is mode 0700.
+is created readable by its owner only (mode 0600, set before any byte is written), and ``folder`` is made
+mode 0700 (even when it exists).
 
 These are for tests and trials. For real deployments use a certificate from your organisation's CA (or a
 public one) whose SAN names the SuperLink's host name (and 127.0.0.1, where fedsim's SuperLink listens behind
@@ -64,12 +64,17 @@ def write_private(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def private_folder(path: str | Path) -> Path:
-    """Create ``path`` (and parents) with mode 0700 if it does not exist; return it."""
+def private_folder(path: str | Path, tighten: bool = False) -> Path:
+    """Create ``path`` (and parents) with mode 0700 if it does not exist; return it.
+
+    ``tighten``: an existing folder is made 0700 too (a folder that holds only fedsim's private files).
+    """
     path = Path(path)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.mkdir(mode=0o700)
+    elif tighten and path.is_dir():
+        path.chmod(0o700)
     return path
 
 
@@ -132,7 +137,7 @@ def make_certs(
     """
     if nodes < 0:
         raise ValueError(f"nodes={nodes} is not allowed: expected an integer >= 0")
-    out = private_folder(folder)
+    out = private_folder(folder, tighten=True)  # it holds server.key and the node keys
     if ca_key is not None:
         ca_key = Path(ca_key).expanduser().resolve()
         if ca_key.parent == out.resolve() or out.resolve() in ca_key.parents:

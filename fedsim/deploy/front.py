@@ -11,24 +11,34 @@ Two implementations, the same rules:
 
 * nginx (``nginx_conf``), the default whenever ``nginx`` is installed: started in the foreground
   (``daemon off``) by ``fedsim.deploy``, stopped by its pid.
-* ``python -m fedsim.deploy.front``: a small threaded proxy in the standard library, a fallback for machines
-  without nginx (trials, CI); fedsim says so when it uses it. Prefer nginx (or your own proxy with the same
+* ``python -m fedsim.deploy.front``: a small threaded proxy in the standard library
+  (``fedsim.deploy.pyfront``), a fallback for machines without nginx (trials, CI); fedsim says so when it
+  uses it. Prefer nginx (or your own proxy with the same
   rules) for a long-lived server.
 
-SuperNode authentication is unchanged behind the front: a node signs each Fleet request with its private key
-in request headers, which the front passes through.
+SuperNode authentication is unchanged behind the front: a node signs a timestamp with its private key in
+request headers (Flower 1.42 signs no body or route), which the front passes through.
+
+Both fronts shed abuse before the SuperLink sees it (``Limits``): Flower's SuperLink reads and parses a whole
+body before it checks node authentication, so a stranger's large or slow bodies would cost its memory and the
+round time. A body larger than ``Limits.max_body`` gets 413 (from its ``Content-Length``, or as soon as a body
+without one passes the limit), a body must arrive whole before anything is forwarded (nginx spools it to its
+temporary folder, the Python front to a spooled temporary file: neither holds it all in memory), a sender
+that stalls is cut off, and each client address gets at most ``Limits.rate`` requests a second (plus a
+``burst``) and ``Limits.conn_per_address`` requests at a time, and the SuperLink at most
+``Limits.upstream_conns`` at a time (503 or 502 beyond: Flower's SuperNode retries those, not a 429).
 """
 
 from __future__ import annotations
 
 import argparse
-import http.client
-import http.server
+import json
+import os
+import pwd
 import re
 import shutil
-import socket
-import ssl
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Fleet routes are one lower-case path segment (register-node, pull-messages, ...); the raw request target
@@ -45,7 +55,52 @@ HOP_BY_HOP = {
     "transfer-encoding",
     "upgrade",
 }
-MAX_BODY = 512 * 1024 * 1024  # bytes; Flower sends arrays in 5 MB chunks, so requests stay far below this
+MB = 1024 * 1024
+BODY_FACTOR, BODY_SLACK = 2, 1 * MB  # the body limit: twice the largest expected Fleet body, plus 1 MB
+
+
+def largest_object(model_bytes: int | None = None) -> int:
+    """The largest body an honest Fleet call carries: one object of the message (bytes).
+
+    Flower 1.42 pushes and pulls a message's content as separate objects (``push-object``/``pull-object``),
+    and an array as chunks of at most ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE`` bytes (5 MB): so the largest body
+    is one chunk, or the whole model when it is smaller (``model_bytes``; None: unknown, one chunk).
+    """
+    from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE as chunk
+
+    return int(chunk) if model_bytes is None else int(min(int(model_bytes), int(chunk)))
+
+
+def body_limit(model_bytes: int | None = None) -> int:
+    """The front's body limit: ``BODY_FACTOR`` times the largest expected body, plus ``BODY_SLACK`` (bytes)."""
+    return BODY_FACTOR * largest_object(model_bytes) + BODY_SLACK
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the front lets a client address do (the same in nginx and in the Python fallback).
+
+    The defaults hold a federation of a few hundred SuperNodes with Flower's 3 s poll, or a handful behind
+    one address (NAT, or one machine) polling every 0.25 s; each node makes a burst of ``pull-object`` calls,
+    one per object, when a message arrives.
+    """
+
+    max_body: int = field(default_factory=body_limit)  # bytes; larger bodies get 413
+    rate: int = 100  # requests per second and client address, sustained
+    burst: int = 400  # requests above the rate a client address may make at once
+    conn_per_address: int = 64  # requests in progress per client address
+    max_conn: int = 512  # requests in progress in all (the Python front's threads)
+    # requests in progress at the SuperLink: what unauthenticated bodies can cost it is ~3 x this x max_body
+    upstream_conns: int = 32
+    header_timeout: float = 15.0  # seconds to send the request line and headers
+    body_timeout: float = 15.0  # seconds the body may stall between two reads
+    min_rate: int = 8 * 1024  # bytes/s: the Python front's floor for a body's average (after body_timeout)
+
+    def __post_init__(self) -> None:
+        ints = ("max_body", "rate", "burst", "conn_per_address", "max_conn", "upstream_conns", "min_rate")
+        for name in ints:
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not allowed: expected an integer >= 1")
 
 
 def allowed(method: str, target: str) -> bool:
@@ -71,18 +126,21 @@ def nginx_conf(
     prefix: Path,
     logs: Path,
     tls: tuple[Path, Path, Path, str] | None,
+    limits: Limits | None = None,
 ) -> str:
     """nginx's configuration for the front.
 
     ``tls`` is ``(server certificate, server key, CA certificate, name to check in the SuperLink's
-    certificate)``, or None for a federation without TLS. ``prefix`` holds nginx's pid and temporary files.
+    certificate)``, or None for a federation without TLS. ``prefix`` holds nginx's pid and temporary files
+    (bodies larger than 1 MB are spooled there before they are forwarded). ``limits``: ``Limits()``.
     """
+    lim = limits or Limits()
     upstream = f"{'https' if tls else 'http'}://fedsim_superlink"
     proxy = [
         f"proxy_pass {upstream};",
         "proxy_http_version 1.1;",
         'proxy_set_header Connection "";',
-        "proxy_request_buffering off;",
+        "proxy_request_buffering on;  # the whole body arrives before the SuperLink sees a byte of it",
         "proxy_buffering off;",
         "proxy_read_timeout 600s;",
         "proxy_send_timeout 600s;",
@@ -112,21 +170,38 @@ def nginx_conf(
         f'    {kind}_temp_path "{prefix / (kind + "_temp")}";'
         for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
+    # started as root, nginx runs its workers as "nobody", who cannot write the spooled bodies into the
+    # private (0700) folder: keep them as this user (better: start fedsim as an unprivileged user)
+    user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
     return f"""# fedsim.deploy: the SuperLink's public front (fedsim/deploy/front.py). Generated; do not edit.
 daemon off;
-worker_processes 1;
+{user}worker_processes 1;
 pid "{prefix / "nginx.pid"}";
 error_log "{logs / "front-error.log"}" warn;
 events {{
-    worker_connections 1024;
+    worker_connections {max(1024, 2 * lim.max_conn + 64)};
 }}
 http {{
     access_log "{logs / "front-access.log"}";
     server_tokens off;
-    client_max_body_size {MAX_BODY // (1024 * 1024)}m;
+    # abuse is shed here, before the SuperLink (which parses a whole body before checking node authentication)
+    client_max_body_size {-(-lim.max_body // 1024)}k;
+    client_body_buffer_size 1m;
+    client_header_timeout {lim.header_timeout:g}s;
+    client_body_timeout {lim.body_timeout:g}s;
+    send_timeout 60s;
+    keepalive_timeout 30s;
+    limit_req_zone $binary_remote_addr zone=fedsim_rate:10m rate={lim.rate}r/s;
+    limit_conn_zone $binary_remote_addr zone=fedsim_conn:10m;
+    limit_conn_zone $server_name zone=fedsim_all:1m;
+    limit_req_status 503;  # Flower's SuperNode retries 502/503 with backoff, and gives up on 429
+    limit_conn_status 503;
+    limit_req zone=fedsim_rate burst={lim.burst} nodelay;
+    limit_conn fedsim_conn {lim.conn_per_address};
+    limit_conn fedsim_all {lim.max_conn};
 {temp}
     upstream fedsim_superlink {{
-        server 127.0.0.1:{upstream_port};
+        server 127.0.0.1:{upstream_port} max_conns={lim.upstream_conns};  # beyond: 502 (retried)
         keepalive 16;
     }}
     server {{
@@ -160,104 +235,6 @@ http {{
 """
 
 
-# ---- the Python fallback --------------------------------------------------------------------------------
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "fedsim-front"
-    sys_version = ""
-    upstream: tuple[str, int] = ("127.0.0.1", 0)
-    upstream_ctx: ssl.SSLContext | None = None
-
-    def log_message(self, format, *args):
-        sys.stderr.write(f"{self.address_string()} {format % args}\n")
-
-    def _deny(self, code: int = 403) -> None:
-        body = b"forbidden by the fedsim front\n"
-        self.send_response(code)
-        self.send_header("Content-Type", "text/plain")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _forward(self) -> None:
-        if not allowed(self.command, self.path):
-            self._deny()
-            return
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            self._deny(411)  # Flower's clients send a Content-Length
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            self._deny(413)
-            return
-        body = self.rfile.read(length) if length else None
-        host, port = self.upstream
-        conn = (
-            http.client.HTTPSConnection(host, port, context=self.upstream_ctx, timeout=600)
-            if self.upstream_ctx
-            else http.client.HTTPConnection(host, port, timeout=600)
-        )
-        try:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | {"host"}}
-            conn.request(self.command, self.path, body=body, headers=headers)
-            res = conn.getresponse()
-            data = res.read()
-        except (OSError, http.client.HTTPException) as e:
-            self.log_message("upstream error: %s", e)
-            self._deny(502)
-            return
-        finally:
-            conn.close()
-        self.send_response(res.status, res.reason)
-        for k, v in res.getheaders():
-            if k.lower() not in HOP_BY_HOP | {"content-length", "server", "date"}:
-                self.send_header(k, v)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _forward
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    daemon_threads = True
-
-
-def serve(
-    listen_host: str,
-    listen_port: int,
-    upstream_port: int,
-    cert: Path | None = None,
-    key: Path | None = None,
-    ca: Path | None = None,
-) -> None:
-    """Run the Python front until killed (TLS on both sides when ``cert``, ``key`` and ``ca`` are given)."""
-    handler = type(
-        "Handler",
-        (_Handler,),
-        {
-            "upstream": ("127.0.0.1", upstream_port),
-            "upstream_ctx": ssl.create_default_context(cafile=str(ca)) if ca else None,
-        },
-    )
-    _Server.address_family = socket.AF_INET6 if ":" in listen_host else socket.AF_INET
-    server = _Server((listen_host, listen_port), handler)
-    if cert:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_cert_chain(str(cert), str(key))
-        server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    print(
-        f"fedsim front (Python fallback) on {_listen(listen_host, listen_port)} -> 127.0.0.1:{upstream_port}",
-        flush=True,
-    )
-    server.serve_forever()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fedsim.deploy.front", description=__doc__.split("\n")[0])
     p.add_argument("--listen", required=True, help="public HOST:PORT")
@@ -265,11 +242,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cert", type=Path, help="TLS certificate served on the public side")
     p.add_argument("--key", type=Path, help="its private key")
     p.add_argument("--ca", type=Path, help="CA certificate to check the SuperLink's certificate with")
+    p.add_argument(
+        "--max-body", type=int, default=None, help="largest request body in bytes (default: body_limit())"
+    )
+    p.add_argument("--limits", default="{}", help="other Limits fields as JSON, e.g. '{\"rate\": 50}'")
     a = p.parse_args(argv)
     host, _, port = a.listen.rpartition(":")
     if bool(a.cert) != bool(a.key) or bool(a.cert) != bool(a.ca):
         p.error("give --cert, --key and --ca together (TLS), or none of them")
-    serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca)
+    try:
+        given = json.loads(a.limits)
+        if a.max_body is not None:
+            given["max_body"] = a.max_body
+        limits = Limits(**given)
+    except (ValueError, TypeError) as e:
+        p.error(f"--limits: {e}")
+    from fedsim.deploy.pyfront import serve
+
+    serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca, limits)
     return 0
 
 

@@ -16,6 +16,7 @@ SuperLink's tasks from its Runtime API. The ``flwr`` CLI (runs, node registratio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import json
 import os
@@ -427,6 +428,8 @@ class Federation:
         (the SuperLink itself on ``host``: every API public; warned about unless ``host`` is loopback).
     isolation : bool
         Start ServerApps through a separately started ``flower-superexec`` that proves a shared secret.
+    limits : front.Limits, optional
+        The front's body limit, rates and timeouts (default ``Limits()``: bodies up to ``body_limit()``).
     """
 
     def __init__(
@@ -439,6 +442,7 @@ class Federation:
         echo: Callable[[str], None] = print,
         front: str = "auto",
         isolation: bool = True,
+        limits: front_mod.Limits | None = None,
     ) -> None:
         from fedsim.deploy.certs import private_folder
 
@@ -454,6 +458,7 @@ class Federation:
                 echo("# no nginx found: the public front is fedsim's Python fallback (fedsim.deploy.front)")
         self.front = front
         self.isolation = isolation
+        self.limits = limits or front_mod.Limits()
         self.internal_port = free_port("127.0.0.1") if front != "none" else self.port
         self.flwr_home = self.workdir / "flwr-home"
         self.logs = self.workdir / "logs"
@@ -464,6 +469,7 @@ class Federation:
         self.node_ids: dict[int, int] = {}  # partition id -> node id from `flwr supernode register`
         self.bound_keys: dict[int, list[Path]] = {}  # partition id -> public keys registered for it
         self.stopped: list[int] = []  # every pid ``stop``/``kill`` signalled (to check none is left)
+        self.secrets: list[Path] = []  # the shared-secret files written, removed by ``stop``
         self._echoed: set[str] = set()
         if front == "none":
             warn_exposed(host, echo)
@@ -524,7 +530,7 @@ class Federation:
         )
         ca = self.sec.ca if self.sec.tls else None
         t0 = time.monotonic()
-        secret = write_secret(self.workdir / SECRET_FILE) if self.isolation else None
+        secret = self._secret(self.workdir / SECRET_FILE) if self.isolation else None
         bind = self.host if self.front == "none" else "127.0.0.1"
         proc = self.spawn(
             "superlink", superlink_command(bind, self.internal_port, self.sec, secret), cwd=self.cwd
@@ -541,6 +547,10 @@ class Federation:
             self._wait_up("front", self.address, timeout - (time.monotonic() - t0), ca, front)
         return time.monotonic() - t0
 
+    def _secret(self, path: Path) -> Path:
+        self.secrets.append(write_secret(path))
+        return path
+
     def _wait_up(self, name: str, address: str, timeout: float, ca: Path | None, proc) -> None:
         try:
             wait_for_superlink(address, max(1.0, timeout), ca, alive=lambda: proc.poll() is None)
@@ -552,7 +562,9 @@ class Federation:
         c = Path(self.sec.certs) if self.sec.tls else None
         if self.front == "python":
             cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", self.address]
-            cmd += ["--upstream-port", str(self.internal_port)]
+            cmd += ["--upstream-port", str(self.internal_port), "--max-body", str(self.limits.max_body)]
+            if self.limits != front_mod.Limits(max_body=self.limits.max_body):
+                cmd += ["--limits", json.dumps(dataclasses.asdict(self.limits))]
             if c is not None:
                 cmd += [
                     "--cert",
@@ -571,7 +583,9 @@ class Federation:
         tls = (c / SERVER_CERT, c / SERVER_KEY, c / CA_CERT, tls_name) if c is not None else None
         conf = prefix / "nginx.conf"
         conf.write_text(
-            front_mod.nginx_conf(self.host, self.port, self.internal_port, prefix, self.logs, tls)
+            front_mod.nginx_conf(
+                self.host, self.port, self.internal_port, prefix, self.logs, tls, self.limits
+            )
         )
         cmd = [nginx, "-c", str(conf), "-p", str(prefix), "-e", str(self.logs / "front-error.log")]
         check = subprocess.run([*cmd, "-t", "-q"], capture_output=True, text=True)
@@ -579,7 +593,10 @@ class Federation:
             raise DeployError(
                 f"nginx refused the front's configuration {conf}: {check.stderr.strip()[-500:]}"
             )
-        self.echo(f"# {conf}: forwards only POST /v1/fleet/* and GET /health to {self.control_address}")
+        self.echo(
+            f"# {conf}: forwards only POST /v1/fleet/* and GET /health to {self.control_address}, bodies up "
+            f"to {self.limits.max_body / front_mod.MB:.1f} MB, {self.limits.rate} requests/s per address"
+        )
         return cmd
 
     def flwr(self, *args: str, timeout: float = 60.0) -> dict:
@@ -659,7 +676,7 @@ class Federation:
         """
         name = name or f"supernode{partition_id}"
         port = free_port("127.0.0.1")
-        secret = write_secret(self.workdir / f"{name}.secret") if warm else None
+        secret = self._secret(self.workdir / f"{name}.secret") if warm else None
         cmd = supernode_command(
             self.address,
             port,
@@ -783,12 +800,16 @@ class Federation:
         return pids
 
     def detach(self) -> None:
-        """Forget the processes without stopping them (``pids.json`` keeps them for ``stop_from_pidfile``)."""
+        """Forget the processes without stopping them (``pids.json`` keeps them for ``stop_from_pidfile``, which
+        also removes the secrets)."""
         self.procs.clear()
+        self.secrets.clear()
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Stop SuperNodes, then the SuperLink, with everything they spawned; reap our children."""
+        """Stop SuperNodes, then the SuperLink, with everything they spawned; reap our children; remove the
+        shared secrets."""
         if not self.procs:
+            remove_secrets(self.secrets)
             return
         order = [n for n in self.procs if n not in SERVER_SIDE] + [n for n in SERVER_SIDE if n in self.procs]
         for name in order:
@@ -803,6 +824,7 @@ class Federation:
             if left:
                 print(f"fedsim.deploy: could not stop {name} processes {left}", file=sys.stderr)
         self.procs.clear()
+        remove_secrets(self.secrets)
         pidfile = self.workdir / "pids.json"
         if pidfile.exists():
             pidfile.unlink()
@@ -840,4 +862,12 @@ def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
         terminate([pid, *descendants(pid)], timeout)
         stopped.append(pid)
     pidfile.unlink()
+    remove_secrets(Path(workdir).glob("*.secret"))
     return stopped
+
+
+def remove_secrets(paths) -> None:
+    """Delete shared-secret files (those already gone are skipped)."""
+    for p in list(paths):
+        with contextlib.suppress(FileNotFoundError):
+            Path(p).unlink()

@@ -27,6 +27,8 @@ import json
 import logging
 import os
 import tempfile
+import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +36,14 @@ from pathlib import Path
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
-from fedsim.grid_utils import GridView
+from fedsim import keys
+from fedsim.grid_utils import GridView, push_and_pull
 
 log = logging.getLogger("fedsim")
 
 NODES_FILE = "nodes.json"  # in the run folder: the nodes accepted and refused, and why
+VACANT = 2**64 - 1  # the stand-in for a partition nobody serves is node VACANT - partition id (no real one)
+VACANT_DELAY = 1.0  # seconds before a task sent to a vacant partition fails (an async loop does not spin)
 
 
 class BindingError(ValueError):
@@ -205,10 +210,22 @@ class NodeGate(GridView):
     ``get_node_ids`` lists the nodes bound to a partition of this run (all nodes without a binding), the first
     registered first; ``check_claim`` (asked by node discovery) refuses a node that claims another partition
     than its own; ``refuse`` and ``accept`` record the decision in ``record`` (the run's ``nodes.json``).
+
+    A partition whose bound node was refused is waited for ``vacancy_wait`` seconds (another node bound to it
+    may join), then skipped: a stand-in node (``VACANT - partition``) takes it, answers discovery with 0
+    examples, and every task sent to it fails as "unavailable" (Flower's NODE_UNAVAILABLE) after
+    ``VACANT_DELAY`` seconds, without reaching the SuperLink; the run goes on with the honest nodes and
+    ``nodes.json`` lists the partition under ``vacant``. ``vacancy_wait=None``: waited for until the server's
+    ``node_timeout`` (then the run stops, naming the partition).
     """
 
     def __init__(
-        self, grid, binding: NodeBinding | None, num_clients: int, record: Path | None = None
+        self,
+        grid,
+        binding: NodeBinding | None,
+        num_clients: int,
+        record: Path | None = None,
+        vacancy_wait: float | None = None,
     ) -> None:
         super().__init__(grid)
         self.binding, self.num_clients, self.record = binding, num_clients, record
@@ -216,6 +233,10 @@ class NodeGate(GridView):
         self.info: dict[int, dict] = {}  # node id -> name and key fingerprint, as the SuperLink reports them
         self.accepted: dict[int, int] = {}  # node id -> partition
         self.refused: dict[int, dict] = {}  # node id -> {"partition_claimed", "reason", ...}
+        self.vacancy_wait = vacancy_wait
+        self.opened: dict[int, float] = {}  # partition whose bound node was refused -> since when
+        self.vacant: dict[int, int] = {}  # stand-in node id -> the partition it skips
+        self._due: dict[str, tuple[float, object]] = {}  # message id -> (when, the stand-in's reply)
 
     def get_nodes(self):
         return self._grid.get_nodes()
@@ -251,7 +272,65 @@ class NodeGate(GridView):
             else:
                 self.bound[nid] = pid
                 usable.append(nid)
-        return usable
+        return usable + self._vacancies()
+
+    def _vacancies(self) -> list[int]:
+        """The stand-ins of the partitions left open by a refusal for ``vacancy_wait`` seconds."""
+        if self.vacancy_wait is not None:
+            taken = set(self.accepted.values()) | set(self.vacant.values())
+            for pid, since in sorted(self.opened.items()):
+                if pid not in taken and time.monotonic() - since >= self.vacancy_wait:
+                    self.vacant[VACANT - pid] = pid
+                    self.bound[VACANT - pid] = pid
+                    log.warning(
+                        "partition %d has no node (the node bound to it was refused): skipped, the run goes on "
+                        "with the others",
+                        pid,
+                    )
+                    self._write()
+        return list(self.vacant)
+
+    def push_messages(self, messages):
+        from flwr.app import Error, Message, MetricRecord, RecordDict
+        from flwr.common.constant import ErrorCode
+
+        messages = list(messages)
+        real = [m for m in messages if int(m.metadata.dst_node_id) not in self.vacant]
+        if len(real) == len(messages):
+            return self._grid.push_messages(messages)
+        out = list(self._grid.push_messages(real)) if real else []
+        for m in messages:
+            pid = self.vacant.get(int(m.metadata.dst_node_id))
+            if pid is None:
+                continue
+            m.metadata.__dict__["_message_id"] = f"vacant-{uuid.uuid4().hex}"
+            if m.metadata.message_type == "query":  # discovery: the stand-in serves the partition, no data
+                metrics = MetricRecord({keys.PARTITION_ID: pid, keys.NUM_EXAMPLES: 0})
+                reply, delay = Message(RecordDict({keys.METRICS: metrics}), reply_to=m), 0.0
+            else:
+                why = f"partition {pid} has no node: the node bound to it was refused (nodes.json)"
+                reply, delay = Message(Error(ErrorCode.NODE_UNAVAILABLE, why), reply_to=m), VACANT_DELAY
+            self._due[m.metadata.message_id] = (time.monotonic() + delay, reply)
+            out.append(m.metadata.message_id)
+        return out
+
+    def pull_messages(self, message_ids):
+        ids = list(message_ids)
+        if not self._due:
+            return self._grid.pull_messages(ids)
+        real = [i for i in ids if i not in self._due]
+        got = list(self._grid.pull_messages(real)) if real else []
+        now = time.monotonic()
+        for i in ids:
+            if i in self._due and self._due[i][0] <= now:
+                got.append(self._due.pop(i)[1])
+        return got
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if not any(int(m.metadata.dst_node_id) in self.vacant for m in messages):
+            return self._grid.send_and_receive(messages, timeout=timeout)
+        return push_and_pull(self, messages, timeout, 0.1)
 
     def check_claim(self, node_id: int, partition_id: int) -> str | None:
         """Why ``node_id`` may not serve ``partition_id`` (None: it may)."""
@@ -267,17 +346,24 @@ class NodeGate(GridView):
         return None
 
     def accept(self, node_id: int, partition_id: int) -> None:
-        self.accepted[node_id] = partition_id
+        if node_id not in self.vacant:
+            self.accepted[node_id] = partition_id
         self._write()
 
     def refuse(self, node_id: int, partition_id: int | None, reason: str) -> None:
         """Give ``node_id`` no work: one warning line, and a ``nodes.json`` entry."""
         self.refused[node_id] = {"partition_claimed": partition_id, "reason": reason}
+        bound = self.bound.get(node_id)
+        if (
+            bound is not None and bound != partition_id
+        ):  # its own partition stays open unless another takes it
+            self.opened.setdefault(bound, time.monotonic())
         log.warning("%s refused, it gets no work: %s", self._describe(node_id), reason)
         self._write()
 
     def summary(self) -> str:
-        return f"{len(self.accepted)} node(s) accepted, {len(self.refused)} refused"
+        vacant = f", partition(s) {sorted(self.vacant.values())} skipped" if self.vacant else ""
+        return f"{len(self.accepted)} node(s) accepted, {len(self.refused)} refused{vacant}"
 
     def _write(self) -> None:
         if self.record is None:
@@ -289,9 +375,11 @@ class NodeGate(GridView):
                 for n, p in sorted(self.accepted.items())
             ],
             "refused": [{"node_id": n, **r, **self.info.get(n, {})} for n, r in self.refused.items()],
+            "vacant": sorted(self.vacant.values()),
         }
         self.record.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.record.parent, prefix=".nodes-")
+        os.fchmod(fd, 0o600)  # node ids, names and keys: the operator's only
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
