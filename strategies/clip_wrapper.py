@@ -43,11 +43,13 @@ https://arxiv.org/abs/1905.03871).
 
 **Secrets.** The noise and the DP cohort are drawn from generators derived from ``noise_seed``, never from the
 run ``seed`` (every client receives the run seed in the client spec and could regenerate anything derived
-from it). ``noise_seed=None`` (the default) draws it from OS entropy (``np.random.SeedSequence()``); an
-operator may set it to reproduce a run. It stays on the server: the ``clipping`` config section is not part
-of the client spec. The seed in use is kept in ``state_dict`` (a resumed run draws the same noise and
-cohorts, bit-identical) and reported by ``summary_fields`` (``noise_seed`` in summary.json, which must then
-be kept as secret as the noise).
+from it). ``noise_seed=None`` (the default) draws it from OS entropy (``np.random.SeedSequence()``, 128 bits);
+an operator may set it to reproduce a run, but only to an integer of at least ``MIN_NOISE_SEED_BITS`` (64) bits:
+a short seed is found by trying them all (10^4 seeds take seconds) and with it every noise draw.
+``debug_noise_seed=True`` accepts a short one with a warning (tests, published reproductions: the noise is
+then not secret). It stays on the server: the ``clipping`` config section is not part of the client spec. The
+seed in use is kept in ``state_dict`` (a resumed run draws the same noise and cohorts, bit-identical) and in
+no summary, metric or log (``summary_fields`` says only where it came from).
 
 **Without noise** (``z = 0``) nothing is private: ``sample_cohort`` returns the loop's own uniform draw of
 ``m`` clients from the run seed (results are bit-identical to the loop's), the inner strategy keeps its own
@@ -69,7 +71,7 @@ from fedsim import keys
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
 from fedsim.grid_utils import first_line
-from fedsim.strategies import base
+from fedsim.strategies import base, composition
 from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.aggregate import (
     cast_like,
@@ -91,6 +93,9 @@ COHORT, UPDATE_NOISE, COUNT_NOISE = 1, 2, 3
 _PUBLIC_COHORT, _PUBLIC_NOISE, _PUBLIC_PURPOSE = 1, 5, {UPDATE_NOISE: 0, COUNT_NOISE: 1}
 _CLIENT_TOLERANCE = 1e-3  # a client-clipped update may exceed C by this relative margin (float32 rounding)
 _CLIENT_STATISTICS = (keys.CLIPPED, keys.UPDATE_NORM)  # exact per-client values; dropped in DP mode
+MIN_NOISE_SEED_BITS = (
+    64  # an operator-set noise seed must be at least this long (not found by trying them all)
+)
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -100,7 +105,13 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 class ClippingWrapper(Strategy):
-    """Shared machinery of ``FixedClipping`` and ``AdaptiveClipping`` (see the module docstring)."""
+    """Shared machinery of ``FixedClipping`` and ``AdaptiveClipping`` (see the module docstring).
+
+    Declares (``fedsim.strategies.composition``) that in DP mode it privatises a mean of the clipped updates:
+    a strategy that releases anything else is refused before any work.
+    """
+
+    privatises = frozenset({composition.MEAN})  # clip to C, fixed denominator m, noise std z C / m
 
     def __init__(
         self,
@@ -118,6 +129,7 @@ class ClippingWrapper(Strategy):
         accountant: str = "rdp",
         noise_seed: int | None = None,
         debug_metrics: bool = False,
+        debug_noise_seed: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -150,6 +162,8 @@ class ClippingWrapper(Strategy):
         if not isinstance(debug_metrics, bool):
             raise ConfigError("debug_metrics", debug_metrics, "true or false")
         self.debug_metrics = debug_metrics
+        if not isinstance(debug_noise_seed, bool):
+            raise ConfigError("debug_noise_seed", debug_noise_seed, "true or false")
         if noise_seed is not None:
             noise_seed = integer("noise_seed", noise_seed, 0)
         self.strategy = strategy
@@ -164,6 +178,23 @@ class ClippingWrapper(Strategy):
                     "null or an integer other than the run's seed",
                     "Every client receives the run's seed, so noise drawn from it could be removed.",
                 )
+            if noise_seed is not None and noise_seed.bit_length() < MIN_NOISE_SEED_BITS:
+                if not debug_noise_seed:
+                    raise ConfigError(
+                        "noise_seed",
+                        noise_seed,
+                        f"null (128 bits of OS entropy) or a random integer of at least {MIN_NOISE_SEED_BITS} "
+                        "bits, e.g. python -c 'import secrets; print(secrets.randbits(128))'",
+                        "A short seed is found by trying them all, and with it the noise. "
+                        "clipping.debug_noise_seed=true accepts it for a test (the noise is then not secret).",
+                    )
+                log.warning(
+                    "clipping: debug_noise_seed=true: noise_seed has %d bits (< %d): anyone can find it by trying "
+                    "them all and remove the noise; the privacy guarantee does not hold for this run",
+                    noise_seed.bit_length(),
+                    MIN_NOISE_SEED_BITS,
+                )
+            self.noise_seed_source = "operator" if noise_seed is not None else "entropy"
             # server-only secret: set by the operator, else 128 bits of OS entropy
             self.noise_seed = int(noise_seed if noise_seed is not None else np.random.SeedSequence().entropy)
             self.accountant = RoundAccountant(
@@ -393,7 +424,7 @@ class ClippingWrapper(Strategy):
         self.strategy.summary()
 
     def summary_fields(self) -> dict[str, Any]:
-        """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency) and its seed.
+        """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency); not the seed.
 
         ``epsilon`` (also written as ``final_epsilon``) is the accountant's total, skipped rounds included.
         """
@@ -409,7 +440,9 @@ class ClippingWrapper(Strategy):
             "adjacency": ADJACENCY[self.sampling],
             "noise_multiplier": self.noise_multiplier,
             "rounds_accounted": self.rounds_accounted,
-            "noise_seed": self.noise_seed,
+            "noise_seed_source": getattr(
+                self, "noise_seed_source", "entropy"
+            ),  # the seed itself stays in checkpoint.pt only
             "debug_metrics": self.debug_metrics,
         }
 

@@ -20,12 +20,20 @@ import numpy as np
 from fedsim import keys
 from fedsim.checks import number
 from fedsim.strategies.aggregate import is_float
+from fedsim.strategies.composition import WEIGHTED, Release
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import reply_metrics
 
 
 class FedNova(FedAvg):
     """FedNova for local SGD (``a_i = tau_i``), weighted by example count, with a server learning rate."""
+
+    releases = (Release("its global model (tau_eff / tau_i times each update)", WEIGHTED),)
+    needs_local = "sgd"
+    needs_local_why = (
+        "plain SGD local steps (normaliser a_i = tau_i); Wang et al.'s normaliser for momentum or Adam "
+        "is not implemented"
+    )
 
     def __init__(self, server_lr: float = 1.0, **kwargs) -> None:
         super().__init__(**kwargs)

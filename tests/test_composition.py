@@ -1,0 +1,157 @@
+"""Every strategy under clipping and under DP either runs or is refused in one line, from what each component
+declares it releases (``fedsim.strategies.composition``); the README's privacy table is the generated one.
+
+The expected verdicts are written out by hand here (``DP_REFUSED``), independently of the declarations, so a
+declaration that changes a verdict fails a test.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fedsim.errors import ConfigError
+from fedsim.strategies import composition
+from fedsim.strategies.clip_wrapper import ClippingWrapper
+
+try:
+    from helpers import TINY, compose_cfg, run_tiny
+except ImportError:
+    from conftest import TINY, compose_cfg, run_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG_SEED = "clipping.noise_seed=340282366920938463463374607431768211297"  # 128 bits
+DP = ["clipping=fixed", "clipping.noise_multiplier=1.0", LONG_SEED]
+CLIP = ["clipping=fixed", "clipping.noise_multiplier=0"]
+
+# What DP must refuse, and the word its reason must contain: written out by hand, not read from the code.
+DP_REFUSED = {
+    "scaffold": "control variate c is released without noise",
+    "fednova": "weights each clipped update",
+    "feddyn": "scales with the number of replies",
+    "fedmedian": "robust rule",
+    "fedtrimmedavg": "robust rule",
+    "krum": "robust rule",
+    "fedasync": "synchronous aggregation",
+    "fedbuff": "synchronous aggregation",
+}
+ASYNC = {"fedasync", "fedbuff"}
+STRATEGIES = sorted(p.stem for p in (ROOT / "conf" / "strategy").glob("*.yaml"))
+
+
+def build(*overrides: str):
+    """Build the experiment (everything checked before any training); the refusal, if any."""
+    from fedsim.experiment import build_experiment
+
+    try:
+        build_experiment(compose_cfg(*TINY, *overrides))
+    except ConfigError as e:
+        return e
+    return None
+
+
+def test_every_shipped_strategy_has_a_hand_written_verdict():
+    assert set(STRATEGIES) == set(composition.shipped_strategies())
+    assert set(DP_REFUSED) <= set(STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mode", ["clipping", "dp"])
+def test_each_strategy_under_clipping_and_dp_builds_or_is_refused_in_one_line(strategy, mode):
+    extra = ["strategy.concurrency=2"] if strategy in ASYNC else []
+    refusal = build(f"strategy={strategy}", *extra, *(DP if mode == "dp" else CLIP))
+    cls = composition.shipped_strategies()[strategy]
+    derived = composition.dp_refusal(cls, ClippingWrapper.privatises, dp=mode == "dp")
+    refused = strategy in ASYNC or (mode == "dp" and strategy in DP_REFUSED)
+    assert (derived is not None) == refused  # the declarations give the hand-written verdict
+    if not refused:
+        assert refusal is None, refusal
+        return
+    text = str(refusal)
+    assert isinstance(refusal, composition.CompositionError) and "\n" not in text
+    assert text.startswith(f"{'DP' if mode == 'dp' else 'clipping'} does not cover strategy={strategy}: ")
+    assert derived in text and DP_REFUSED[strategy] in text and "(expected clipping" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s not in DP_REFUSED])
+def test_each_strategy_dp_covers_runs_two_rounds_and_reports_epsilon(tmp_path, strategy):
+    summary = run_tiny(tmp_path, f"strategy={strategy}", *DP, "clients_per_round=5")  # q = 5/6: never empty
+    assert summary["status"] == "completed" and summary["epsilon"] > 0
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_dp_scaffold_in_one_line(tmp_path):
+    try:
+        from helpers import fedsim_cli
+    except ImportError:
+        from conftest import fedsim_cli
+
+    out = fedsim_cli("strategy=scaffold", "clipping=fixed", "clipping.noise_multiplier=1", cwd=tmp_path)
+    assert out.returncode == 2
+    line = out.stderr.strip()
+    assert line.count("\n") == 0, out.stderr
+    assert line.startswith(
+        "fedsim: config error: DP does not cover strategy=scaffold: its control variate c is released without "
+        "noise"
+    )
+
+
+def test_dp_scaffold_through_flower_classes_is_refused_too():
+    """The check works on objects, not config names: a user's own SCAFFOLD subclass is refused as well."""
+    from strategy_helpers import flower_kwargs
+
+    from fedsim.algorithms.scaffold import Scaffold as ScaffoldClient
+    from fedsim.strategies.clipping import FixedClipping
+    from fedsim.strategies.scaffold import Scaffold
+
+    class MyScaffold(Scaffold):
+        pass
+
+    wrapped = FixedClipping(MyScaffold(num_clients=10, **flower_kwargs()), 10, 3, noise_multiplier=1.0)
+    with pytest.raises(
+        composition.CompositionError, match="DP does not cover strategy=myscaffold: its control"
+    ):
+        composition.check(wrapped, ScaffoldClient, "sgd")
+    clip_only = FixedClipping(MyScaffold(num_clients=10, **flower_kwargs()), 10, 3, noise_multiplier=0.0)
+    composition.check(clip_only, ScaffoldClient, "sgd")  # clipping alone claims nothing: it runs
+
+
+def test_a_client_algorithm_that_sends_raw_values_is_refused_under_dp_with_fedavg():
+    from strategy_helpers import flower_kwargs
+
+    from fedsim.algorithms.base import LocalSGD
+    from fedsim.strategies.clipping import FixedClipping
+    from fedsim.strategies.fedavg import FedAvg
+
+    class Leaky(LocalSGD):
+        sends = (("its raw gradient norms", "raw"),)
+
+    wrapped = FixedClipping(FedAvg(**flower_kwargs()), 10, 3, noise_multiplier=1.0)
+    composition.check(wrapped, LocalSGD, "sgd")
+    with pytest.raises(
+        composition.CompositionError, match=r"client._target_=.*Leaky: its raw gradient norms"
+    ):
+        composition.check(wrapped, Leaky, "sgd")
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "nesterov", "adam", "asgd"])
+def test_fednova_refuses_local_optimisers_its_normaliser_does_not_model(optimizer):
+    refusal = build("strategy=fednova", f"client.optimizer={optimizer}")
+    assert isinstance(refusal, composition.CompositionError)
+    assert str(refusal).startswith(f"strategy=fednova does not cover client.optimizer={optimizer}: ")
+    assert "(expected client.optimizer=sgd)" in str(refusal) and "\n" not in str(refusal)
+    assert build("strategy=fedavg", f"client.optimizer={optimizer}") is None  # FedAvg assumes nothing
+
+
+def test_the_readme_privacy_table_is_the_generated_one():
+    readme = (ROOT / "README.md").read_text()
+    assert composition.readme_table(readme) == composition.privacy_table()
+    table = composition.privacy_table()
+    for strategy in STRATEGIES:  # one row per shipped strategy, with the hand-written verdict
+        row = next(r for r in table.splitlines() if r.startswith(f"| `strategy={strategy}` |"))
+        dp_cell = row.rstrip(" |").rsplit("|", 1)[1].strip()
+        assert dp_cell.startswith("refused") == (strategy in DP_REFUSED), row
+    assert re.search(r"client._target_=fedsim.algorithms.scaffold.Scaffold` .*\| refused", table)
