@@ -567,12 +567,6 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             seed=int(cfg.seed),
         )
     if cfg.get("selection") is not None and cfg.selection.get("_target_"):  # asked first for the cohort
-        if cfg.clipping.get("_target_"):
-            raise ConfigError(
-                "selection",
-                cfg.selection._target_.rsplit(".", 1)[-1],
-                "uniform with clipping (the clipping wrapper draws every cohort itself, e.g. DP's Poisson sampling)",
-            )
         strategy = _instantiate(
             "selection",
             cfg.selection,

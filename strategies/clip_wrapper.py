@@ -112,6 +112,7 @@ class ClippingWrapper(Strategy):
     """
 
     privatises = frozenset({composition.MEAN})  # clip to C, fixed denominator m, noise std z C / m
+    draws_cohort = "every cohort itself (DP's sampler is the one epsilon is accounted for)"
 
     def __init__(
         self,

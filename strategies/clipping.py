@@ -64,6 +64,8 @@ class FixedClipping(ClippingWrapper):
         Flower's names (``DifferentialPrivacy*FixedClipping``) for ``clip_norm`` and ``clients_per_round``.
     """
 
+    option_name = "fixed"
+
     def __init__(
         self,
         strategy: Strategy,
@@ -134,6 +136,8 @@ class AdaptiveClipping(ClippingWrapper):
         Flower's names (``DifferentialPrivacy*AdaptiveClipping``) for ``initial_clip_norm``, ``target_quantile``
         and ``clients_per_round``.
     """
+
+    option_name = "adaptive"
 
     def __init__(
         self,

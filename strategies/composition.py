@@ -20,8 +20,9 @@ Declarations
     Per-client state that never leaves the client (Ditto's personal model).
 ``wrapper.privatises`` : frozenset of kinds
     What a DP wrapper clips and noises with an analysed sensitivity (``ClippingWrapper``: a mean).
-``wrapper.wraps_async`` : bool
-    Whether the wrapper can wrap an asynchronous strategy.
+``wrapper.draws_cohort`` : str
+    The wrapper draws the round's cohort itself (DP's Poisson sampler, power of choice): two such wrappers
+    do not compose.
 
 DP mode is ``clipping.noise_multiplier > 0``. A release is **covered** when its kind is in the DP wrapper's
 ``privatises`` (its noise is calibrated to one client's influence, ``C / m``), **kept** when it never leaves
@@ -166,6 +167,15 @@ def check(strategy: object, algorithm: type | None = None, optimizer: str | None
     not compose, from their declarations; return quietly when they do."""
     parts = chain(strategy)
     inner = parts[-1]
+    drawers = [w for w in parts[:-1] if getattr(w, "draws_cohort", None)]
+    if len(drawers) > 1:
+        outer, other = drawers[0], drawers[1]
+        raise CompositionError(
+            "selection",
+            f"selection={name_of(outer)} does not compose with clipping={name_of(other)}: both draw the cohort "
+            f"(clipping draws {other.draws_cohort}; selection draws {outer.draws_cohort})",
+            f"selection=uniform with clipping={name_of(other)}",
+        )
     for wrapper in parts[:-1]:
         privatises = getattr(wrapper, "privatises", None)
         if privatises is None:

@@ -155,3 +155,12 @@ def test_the_readme_privacy_table_is_the_generated_one():
         dp_cell = row.rstrip(" |").rsplit("|", 1)[1].strip()
         assert dp_cell.startswith("refused") == (strategy in DP_REFUSED), row
     assert re.search(r"client._target_=fedsim.algorithms.scaffold.Scaffold` .*\| refused", table)
+
+
+def test_two_wrappers_that_both_draw_the_cohort_are_refused_from_their_declarations():
+    refusal = build("selection=power_of_choice", "clipping=fixed")
+    assert isinstance(refusal, composition.CompositionError) and refusal.key == "selection"
+    assert str(refusal).startswith(
+        "selection=power_of_choice does not compose with clipping=fixed: both draw"
+    )
+    assert build("selection=power_of_choice") is None and build("clipping=fixed") is None
