@@ -111,7 +111,8 @@ class ClippingWrapper(Strategy):
     a strategy that releases anything else is refused before any work.
     """
 
-    privatises = frozenset({composition.MEAN})  # clip to C, fixed denominator m, noise std z C / m
+    # clip to C, fixed denominator m, noise std z C / m; a step-normalised strategy's updates divided by tau_i first
+    privatises = frozenset({composition.MEAN, composition.NORMALISED})
     draws_cohort = "every cohort itself (DP's sampler is the one epsilon is accounted for)"
 
     def __init__(
@@ -320,6 +321,7 @@ class ClippingWrapper(Strategy):
             raise RuntimeError(f"{type(self).__name__}.aggregate_train called before configure_train")
         c, m = self.clip_norm, self.clients_per_round
         floats = [k for k, a in self.current.items() if is_float(a)]
+        tau_pub = self._public_tau_eff()
         kept: list[tuple[Message, dict, dict]] = []
         bits: list[bool] = []  # True = not clipped (Andrew et al.'s b_k)
         unclipping_clients = 0
@@ -329,8 +331,12 @@ class ClippingWrapper(Strategy):
                 errors.append(msg)
                 continue
             arrays = reply_arrays(msg)
+            update = subtract({k: arrays[k] for k in floats}, self.current)
+            if tau_pub is not None:  # FedNova: clip the update per local step, (y_k - x) / tau_k
+                tau = max(float(reply_metrics(msg).get(keys.NUM_STEPS, 1)), 1.0)
+                update = {k: v / tau for k, v in update.items()}
             try:
-                clipped, norm, was_clipped = clip(subtract({k: arrays[k] for k in floats}, self.current), c)
+                clipped, norm, was_clipped = clip(update, c)
             except ValueError:
                 log.warning("round %d: dropped a reply whose update holds NaN or Inf", server_round)
                 continue
@@ -368,11 +374,16 @@ class ClippingWrapper(Strategy):
             rng = self._rng(server_round, UPDATE_NOISE)
             shift = {k: rng.normal(0.0, sigma, np.shape(self.current[k])) for k in floats}
         weight_key = base.weight_key(self.strategy)
+        gain = 1.0 if tau_pub is None else tau_pub  # FedNova: the public tau_eff times the noised mean
+        override = {weight_key: 1} if tau_pub is None else {weight_key: 1, keys.NUM_STEPS: float(tau_pub)}
         rebuilt = []
         for msg, arrays, clipped in kept:
-            new = {k: np.asarray(self.current[k], np.float64) + scale * clipped[k] + shift[k] for k in floats}
+            new = {
+                k: np.asarray(self.current[k], np.float64) + gain * (scale * clipped[k] + shift[k])
+                for k in floats
+            }
             new = cast_like({**arrays, **new}, arrays)
-            rebuilt.append(rebuild_reply(msg, new, {weight_key: 1} if self.dp else None))
+            rebuilt.append(rebuild_reply(msg, new, override if self.dp else None))
 
         out, metrics = self.strategy.aggregate_train(server_round, rebuilt)
         if out is None:
@@ -389,6 +400,16 @@ class ClippingWrapper(Strategy):
             report[keys.AGG_EPSILON] = self.epsilon()
         report.update(self._after_round(server_round, bits))
         return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
+
+    def _public_tau_eff(self) -> float | None:
+        """DP over a step-normalised strategy (FedNova): its public ``dp_tau_eff``; otherwise None."""
+        inner = base.unwrap(self.strategy)
+        if not self.dp or not any(r.kind == composition.NORMALISED for r in composition.releases(inner)):
+            return None
+        tau = getattr(inner, "dp_tau_eff", None)
+        if tau is None:  # fedsim's build refuses this before any work (composition.check)
+            raise RuntimeError(f"DP over {type(inner).__name__} needs a public dp_tau_eff")
+        return float(tau)
 
     def _after_round(self, server_round: int, unclipped: list[bool]) -> dict[str, float]:
         """Hook run after a released round with the not-clipped bits of its valid replies; its metrics."""

@@ -48,6 +48,7 @@ WEIGHTED = "weighted"
 COHORT_SCALED = "cohort-scaled"
 RAW = "raw"
 SEQUENTIAL = "sequential"
+NORMALISED = "normalised"
 KINDS = {
     MEAN: "a fixed-denominator mean of the clipped updates (a server optimiser on it is post-processing)",
     ROBUST: "is a robust rule whose sensitivity to one client is not the C/m the noise is calibrated to",
@@ -57,6 +58,9 @@ KINDS = {
     "is calibrated to",
     RAW: "is released without noise, computed from the clients' exact, unclipped values",
     SEQUENTIAL: "applies each client's update on its own; clipping and DP wrap synchronous aggregation",
+    NORMALISED: "is tau_eff times the mean of each update divided by its client's step count tau_i; DP clips "
+    "those normalised updates and needs a public tau_eff (strategy.dp_tau_eff), as sum p_i tau_i depends on the "
+    "clients' data",
 }
 
 SHORT = {  # the README table's words for each kind
@@ -66,6 +70,7 @@ SHORT = {  # the README table's words for each kind
     COHORT_SCALED: "refused: scales with the cohort size",
     RAW: "refused: released without noise",
     SEQUENTIAL: "refused: asynchronous",
+    NORMALISED: "privatised: update / tau_i clipped, public `strategy.dp_tau_eff` (refused without)",
 }
 
 
@@ -132,6 +137,12 @@ def dp_refusal(strategy: object, privatises: frozenset[str], dp: bool = True) ->
     for release in releases(strategy):
         if release.kind == SEQUENTIAL or (dp and release.kind not in privatises):
             return f"{mode} does not cover strategy={name_of(strategy)}: {release.what} {KINDS[release.kind]}"
+        # a normalised release is privatised only with a public tau_eff (an instance setting; a class has none)
+        if dp and release.kind == NORMALISED and getattr(strategy, "dp_tau_eff", None) is None:
+            return (
+                f"DP does not cover strategy={name_of(strategy)} without strategy.dp_tau_eff: {release.what} "
+                f"{KINDS[release.kind]}"
+            )
     return None
 
 
@@ -196,6 +207,8 @@ def refusal_fix(why: str) -> str:
     """What to type instead of a refused combination."""
     if why.startswith("clipping ") or KINDS[SEQUENTIAL] in why:
         return "clipping=none with an asynchronous strategy"
+    if KINDS[NORMALISED] in why:
+        return "strategy.dp_tau_eff set to a public number of local steps, e.g. client.local_steps"
     return "clipping.noise_multiplier=0, or a strategy and client algorithm that DP covers (README, Privacy)"
 
 
@@ -259,10 +272,10 @@ def privacy_table() -> str:
         clip = [r for r in out if r.kind == SEQUENTIAL]
         dp = [r for r in out if r.kind == SEQUENTIAL or r.kind not in privatises]
         assert bool(clip) == (dp_refusal(cls, privatises, dp=False) is not None)  # the same rule as check()
-        assert bool(dp) == (dp_refusal(cls, privatises, dp=True) is not None)
-        rows.append(
-            f"| `strategy={option}` | {what} | {_verdict(clip, 'runs')} | {_verdict(dp, 'covered')} |"
-        )
+        normalised = [r for r in out if r.kind == NORMALISED]
+        assert bool(dp or normalised) == (dp_refusal(cls, privatises, dp=True) is not None)
+        dp_cell = _verdict(dp, SHORT[NORMALISED] if normalised else "covered")
+        rows.append(f"| `strategy={option}` | {what} | {_verdict(clip, 'runs')} | {dp_cell} |")
     for path, cls in shipped_algorithms().items():
         sent = ["model update"] + [_short(r.what) for r in sends(cls)]
         kept = getattr(cls, "keeps", None)
