@@ -9,7 +9,9 @@ A callback is any object with these methods (subclass :class:`Callback` and over
 
 The config names them: ``logger=tensorboard`` (or ``wandb``, ``mlflow``; ``none`` is the default) and
 ``callbacks=[{_target_: mymodule.MyCallback, key: value}]`` for your own. A callback that raises is reported
-once, as a warning naming it, and not called again: tracking never costs a run its results.
+once, as a warning naming it, and not called again: tracking never costs a run its results. The failure is
+kept in summary.json (``callback_errors``) and the ``fedsim`` command (a sweep too) then exits non-zero, so a
+run whose tracking is incomplete is never mistaken for a fully logged one.
 
 No callback sees a secret: the config and the summary they receive are :func:`redact`-ed (``SECRET_KEYS``,
 e.g. the DP noise seed, which would let anyone remove the noise).
@@ -61,16 +63,20 @@ class Callbacks:
 
     def __init__(self, callbacks: list[Any]) -> None:
         self.callbacks = list(callbacks)
+        self.errors: list[str] = []  # "Name.hook: error", one per callback that failed (summary.json)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in list(self.callbacks):
             try:
                 getattr(cb, hook)(*args)
             except Exception as e:  # noqa: BLE001  (tracking must not cost the run its results)
-                log.warning(
-                    "callback %s failed in %s and is off for this run: %s", type(cb).__name__, hook, e
-                )
+                self._failed(cb, hook, e)
                 self.callbacks.remove(cb)
+
+    def _failed(self, cb: Any, hook: str, e: BaseException) -> None:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        self.errors.append(f"{type(cb).__name__}.{hook}: {type(e).__name__}: {first}")
+        log.warning("callback %s failed in %s and is off for this run: %s", type(cb).__name__, hook, first)
 
     def start(self, out_dir: Path, config: dict, records: list[dict]) -> None:
         self._call("on_run_start", out_dir, redact(config), records)
@@ -90,7 +96,7 @@ class Callbacks:
                 try:
                     close()
                 except Exception as e:  # noqa: BLE001
-                    log.warning("callback %s did not close: %s", type(cb).__name__, e)
+                    self._failed(cb, "close", e)
 
 
 def scalars(record: dict, prefix: str = "") -> dict[str, float]:
@@ -138,7 +144,7 @@ def _need(module: str, extra: str, logger: str):
         raise ConfigError(
             "logger",
             logger,
-            f"an installed tracker: pip install 'fedsim[{extra}]'",
+            f'an installed tracker: pip install -e ".[{extra}]" (in the fedsim checkout)',
             f"{module} is not installed.",
         ) from None
 
@@ -184,7 +190,7 @@ class TensorBoard(Callback):
 
 
 class WandB(Callback):
-    """Weights & Biases (``pip install 'fedsim[wandb]'``): one wandb run per fedsim run, in ``mode`` (``offline``
+    """Weights & Biases (``pip install -e ".[wandb]"``): one wandb run per fedsim run, in ``mode`` (``offline``
     by default: files under the run folder, ``wandb sync`` uploads them later)."""
 
     def __init__(self, project: str = "fedsim", mode: str = "offline", entity: str | None = None) -> None:
@@ -211,30 +217,88 @@ class WandB(Callback):
 
 
 class MLflow(Callback):
-    """MLflow (``pip install 'fedsim[mlflow]'``): params, per-round metrics and final metrics in a tracking
-    store (``tracking_uri``; by default a SQLite file ``mlflow.db`` in the run folder)."""
+    """MLflow (``pip install -e ".[mlflow]"``): params, per-round metrics and final metrics in a tracking store.
+
+    ``tracking_uri`` null: a SQLite store ``mlflow.db`` in the run folder, or, in a sweep, one store in the
+    sweep folder that all its jobs share (one MLflow run per job). Every call on a SQLite store holds a lock
+    file beside it (``mlflow.db.lock``), so parallel jobs (``hydra/launcher=joblib``, ``submitit_local``) can
+    share one store: SQLite and MLflow's schema migration do not take concurrent writers.
+    """
 
     def __init__(self, experiment: str = "fedsim", tracking_uri: str | None = None) -> None:
         self.mlflow = _need("mlflow", "mlflow", "mlflow")
         self.experiment, self.tracking_uri = experiment, tracking_uri
+        self.run_id: str | None = None
+        self._lock_path: Path | None = None
 
     def on_run_start(self, out_dir: Path, config: dict, records: list[dict]) -> None:
-        db = Path(out_dir).resolve() / "mlflow.db"  # a local SQLite store (MLflow's file store is deprecated)
-        self.mlflow.set_tracking_uri(self.tracking_uri or f"sqlite:///{db}")
-        self.mlflow.set_experiment(self.experiment)
-        self.mlflow.start_run()
-        params = flat_config(config)
-        self.mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+        uri = self.tracking_uri or f"sqlite:///{default_store(Path(out_dir))}"
+        if uri.startswith("sqlite:///"):
+            self._lock_path = Path(uri[len("sqlite:///") :] + ".lock")
+        with self._locked():
+            self.mlflow.set_tracking_uri(uri)
+            self.mlflow.set_experiment(self.experiment)
+            run = self.mlflow.start_run(run_name=Path(out_dir).name)
+            self.run_id = run.info.run_id
+            params = flat_config(config)
+            self.mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
         for r in records:
             self.on_round(r)
 
+    def _locked(self):
+        """An exclusive lock on the SQLite store's lock file (a no-op for other stores)."""
+        import contextlib
+
+        if self._lock_path is None:
+            return contextlib.nullcontext()
+        return _file_lock(self._lock_path)
+
     def on_round(self, record: dict) -> None:
         values = {k.replace("/", "."): v for k, v in scalars(record).items() if math.isfinite(v)}
-        self.mlflow.log_metrics(values, step=int(record.get("round", 0)))
+        with self._locked():
+            self.mlflow.log_metrics(values, step=int(record.get("round", 0)), run_id=self.run_id)
 
     def on_run_end(self, summary: dict) -> None:
         values = {f"final.{k}": v for k, v in scalars(results(summary)).items() if math.isfinite(v)}
-        self.mlflow.log_metrics(values)
+        with self._locked():
+            self.mlflow.log_metrics(values, run_id=self.run_id)
 
     def close(self) -> None:
-        self.mlflow.end_run()
+        if self.run_id is not None:
+            with self._locked():
+                self.mlflow.end_run()
+
+
+def default_store(out_dir: Path) -> Path:
+    """Where ``logger=mlflow`` keeps its SQLite store: the sweep folder in a Hydra multirun, else the run folder."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN and Path(out_dir).resolve().parent == Path(hc.sweep.dir).resolve():
+            return Path(hc.sweep.dir).resolve() / "mlflow.db"
+    except ValueError:  # no Hydra job (the Python API)
+        pass
+    return Path(out_dir).resolve() / "mlflow.db"
+
+
+class _file_lock:
+    """``with _file_lock(path):`` holds an exclusive ``flock`` on ``path`` (created), across processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        import fcntl
+        import os
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import os
+
+        os.close(self.fd)  # closing the descriptor releases the lock

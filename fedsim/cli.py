@@ -16,6 +16,7 @@ second get their own folders), and checks a ``resume`` against its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -30,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from fedsim.config import compose, flower_env
+from fedsim.config import compose, flower_env, quiet_loggers
 from fedsim.errors import ConfigError, Interrupted, RunError
 
 flower_env()
@@ -38,20 +39,30 @@ os.environ.setdefault("HYDRA_FULL_ERROR", "0")
 
 EXIT_CONFIG = 2
 EXIT_STATUS = 0  # set by the task: 128 + N for a run interrupted by signal N
+TRACKING_FAILED: list[str] = []  # run folders whose callbacks (tracking) failed: the command exits 1
 
 
-def quiet_loggers() -> None:
-    """Keep the console to fedsim's progress lines: Flower's INFO chatter and deprecation notices off."""
-    flwr_log = logging.getLogger("flwr")
-    flwr_log.setLevel(logging.ERROR)
-    flwr_log.propagate = False
-    for name in ("alembic", "ray"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+def progress_to_log_file() -> None:
+    """Send the progress lines (``fedsim.progress``) to the job's log file (Hydra's ``cli.log``) too."""
+    from fedsim.recorder import progress_log
+
+    progress_log.setLevel(logging.INFO)
+    progress_log.handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
 
 
 def _task(cfg: DictConfig) -> float | None:
     """One Hydra job: run the experiment; return its objective for a sweeper (see :func:`objective`)."""
-    summary = _run_job(cfg)
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        summary = _run_job(cfg)
+    else:
+        from fedsim.sweep import job_slot
+
+        with job_slot(hc.sweep.dir) as why:
+            if why is not None:  # the sweep was stopped while this job waited in its launcher's queue
+                _record_failure(Path(hc.runtime.output_dir), f"not started: the sweep was stopped by {why}")
+                return None
+            summary = _run_job(cfg)
     return None if summary is None else objective(summary, cfg)
 
 
@@ -92,6 +103,7 @@ def _run_job(cfg: DictConfig) -> dict | None:
 
     hc = HydraConfig.get()
     quiet_loggers()
+    progress_to_log_file()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     multirun = hc.mode == RunMode.MULTIRUN
     if multirun:  # a sweep folder used again: no earlier job's result may stand for this one
@@ -127,10 +139,35 @@ def _run_job(cfg: DictConfig) -> dict | None:
                 flush=True,
             )
             EXIT_STATUS = 128 + signum
-            if multirun:  # stop the sweep: the jobs after this one do not start
+            from fedsim.sweep import BASIC_LAUNCHER
+
+            # stop the sweep: the jobs after this one do not start (a launcher that runs jobs in other
+            # processes is stopped by its parent, fedsim.sweep.SweepStop: the job just ends, its outputs written)
+            if multirun and hc.launcher._target_ == BASIC_LAUNCHER:
                 raise Interrupted(signum)
+        else:
+            if summary.get("callback_errors"):
+                TRACKING_FAILED.append(str(Path(hc.runtime.output_dir).resolve()))
+            line = outputs_line(summary, hc.runtime.output_dir)
+            logging.getLogger("fedsim.progress").info(line)
+            if not multirun:
+                print(line, file=sys.stderr, flush=True)
         return summary
     return None
+
+
+def outputs_line(summary: dict, out_dir: str | Path) -> str:
+    """The run's last line: how it ended and where its outputs are (relative to the working directory)."""
+    folder = Path(out_dir)
+    with contextlib.suppress(ValueError):
+        folder = folder.resolve().relative_to(Path.cwd())
+    metric = next((k for k in summary if k.startswith("final_eval_") and summary[k] is not None), None)
+    score = f", {metric[len('final_eval_') :]} {summary[metric]:.4f}" if metric else ""
+    files = [f for f in ("metrics.jsonl", "summary.json", "model.pt", "curves.png") if (folder / f).exists()]
+    return (
+        f"fedsim: {summary.get('status')} after {summary.get('rounds_done', 0)} rounds{score}; "
+        f"outputs in {folder}/ ({', '.join(files)})"
+    )
 
 
 def _signal_number(name: str | None) -> int:
@@ -566,16 +603,33 @@ def _main() -> None:
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)
-    except KeyboardInterrupt as e:
-        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+    except BaseException as e:
+        if sweep.STOP.signum is None and not isinstance(e, KeyboardInterrupt):
+            raise
+        # a signal: in this process's run (basic launcher), or passed on to the launcher's job processes,
+        # whose end (a job interrupted, a worker gone) ends the launcher too
+        signum = sweep.STOP.signum or (e.signum if isinstance(e, Interrupted) else int(signal.SIGINT))
         if not EXIT_STATUS:  # before any run had its outputs written
             print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         if sweep.LAST_SWEEP is not None:
             sweep.LAST_SWEEP.summarise()
         _exit(128 + signum)
+    if sweep.STOP.signum is not None:  # every job ended by itself after the signal reached it
+        print(
+            f"fedsim: sweep stopped by {signal.Signals(sweep.STOP.signum).name}", file=sys.stderr, flush=True
+        )
+        _exit(128 + sweep.STOP.signum)
     failed = sorted(set(FAILED_JOBS) | set(sweep.FAILED_JOBS))
     if failed:
         print(f"fedsim: {len(failed)} run(s) of the sweep failed: {', '.join(failed)}", file=sys.stderr)
+        sys.exit(1)
+    untracked = sorted(set(TRACKING_FAILED) | set(sweep.TRACKING_FAILED))
+    if untracked:
+        print(
+            f"fedsim: tracking (logger= or callbacks=) failed for {len(untracked)} run(s); their results are "
+            f"complete, their callback_errors in summary.json say why: {', '.join(untracked)}",
+            file=sys.stderr,
+        )
         sys.exit(1)
     if EXIT_STATUS:
         _exit(EXIT_STATUS)

@@ -12,8 +12,10 @@ asks for clipping with ``clipping_norm``; the app clips to it as to fedsim's ``c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 import math
 
 import torch
@@ -30,9 +32,10 @@ from fedsim.faults import SimulatedTimeout
 from fedsim.messages import global_state, incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
 from fedsim.tasks import CLASSIFICATION
-from fedsim.training import evaluate, train_local
+from fedsim.training import LocalTraining, evaluate, train_local
 
 app = ClientApp()
+log = logging.getLogger("fedsim")
 
 
 class MissingSpecError(RuntimeError):
@@ -134,6 +137,7 @@ def train(msg: Message, context: Context) -> Message:
     ins = parse_train(_with_spec(msg, run_spec(msg, context)))
     clip_norm = _clip_norm(ins)
     algorithm = task.algorithm or client_algorithm(json.loads(ins.spec))
+    local = flower_train_config(task.local, ins.unhandled, context.run_config, foreign=_foreign(msg))
     _load(task, msg.content[keys.ARRAYS])
     start = (
         {k: v.detach().clone() for k, v in task.model.state_dict().items()} if clip_norm is not None else None
@@ -141,7 +145,7 @@ def train(msg: Message, context: Context) -> Message:
     run = LocalRun(
         task.model,
         ins,
-        task.local,
+        local,
         task.partition_id,
         start={n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad},
         incoming=incoming_arrays(msg.content),
@@ -156,7 +160,7 @@ def train(msg: Message, context: Context) -> Message:
         task.model,
         task.x_train,
         _labels(task, ins),
-        task.local,
+        local,
         ins.generator(task.seed, task.partition_id),
         max_steps=ins.max_steps,
         algorithm=algorithm,
@@ -188,6 +192,54 @@ def train(msg: Message, context: Context) -> Message:
         extra=extra,
         outgoing=run.outgoing,
     )
+
+
+# Flower's quickstart keys for local training: ``lr`` in the train config, ``local-epochs`` in the train config
+# or the run config (its ClientApp reads ``context.run_config["local-epochs"]``)
+FLOWER_LR, FLOWER_EPOCHS = "lr", "local-epochs"
+_HONOURED = frozenset({FLOWER_LR, FLOWER_EPOCHS, KEY_CLIPPING_NORM})
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _foreign(msg: Message) -> bool:
+    """True when the message comes from a ServerApp that is not fedsim's (it carries no run spec)."""
+    config = msg.content.config_records.get(keys.CONFIG) if msg.has_content() else None
+    return config is None or keys.RUN_SPEC not in config
+
+
+def flower_train_config(local: LocalTraining, unhandled: dict, run_config, foreign: bool) -> LocalTraining:
+    """``local`` with Flower's conventional ``lr`` and ``local-epochs`` applied, where a message (or, under a
+    ServerApp that is not fedsim's, the run config) sets them; a bad value is one ``ConfigError`` line.
+
+    Under a ServerApp that is not fedsim's, the other train-config keys that nothing in fedsim reads are named
+    in one warning (once per set of keys), never ignored silently.
+    """
+    changes = {}
+    if FLOWER_LR in unhandled:
+        changes["lr"] = _number(FLOWER_LR, unhandled[FLOWER_LR])
+    epochs = unhandled.get(FLOWER_EPOCHS, run_config.get(FLOWER_EPOCHS) if foreign else None)
+    if epochs is not None:
+        value = _number(FLOWER_EPOCHS, epochs)
+        if value != int(value):
+            raise ConfigError(FLOWER_EPOCHS, epochs, "an integer >= 1")
+        changes.update(local_epochs=int(value), local_steps=0)
+    if foreign:
+        ignored = tuple(sorted(k for k in unhandled if k not in _HONOURED))
+        if ignored and ignored not in _WARNED:
+            _WARNED.add(ignored)
+            log.warning(
+                "fedsim's ClientApp ignores train-config key(s) %s (it reads %s, and %s)",
+                ", ".join(repr(k) for k in ignored),
+                f"{FLOWER_LR!r}, {FLOWER_EPOCHS!r}",
+                f"{KEY_CLIPPING_NORM!r}; the rest of local training comes from run_config {OVERRIDES!r}",
+            )
+    return dataclasses.replace(local, **changes) if changes else local
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, value, "a number (train config)")
+    return float(value)
 
 
 def _with_spec(msg: Message, spec: str) -> ConfigRecord:

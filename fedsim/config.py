@@ -7,6 +7,7 @@ num_clients=50`` on the command line; hand it to :func:`fedsim.run.run_experimen
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -89,3 +90,13 @@ def _searchpath_override(searchpath: Sequence[str | os.PathLike]) -> list[str]:
     urls = [str(p) if "://" in str(p) else f"file://{os.path.abspath(p)}" for p in searchpath]
     quoted = ["'" + u.replace("\\", "\\\\").replace("'", "\\'") + "'" for u in urls]
     return [f"hydra.searchpath=[{','.join(quoted)}]"]
+
+
+def quiet_loggers() -> None:
+    """Keep the console to fedsim's own lines: Flower's INFO chatter and deprecation notices off (the ``fedsim``
+    command and :func:`fedsim.run.run_experiment` call it; Flower's warnings and errors still show)."""
+    flwr_log = logging.getLogger("flwr")
+    flwr_log.setLevel(logging.ERROR)
+    flwr_log.propagate = False
+    for name in ("alembic", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -97,6 +97,9 @@ class Interrupted(KeyboardInterrupt):
         self.signum = int(signum)
         super().__init__(signal.Signals(self.signum).name)
 
+    def __reduce__(self):  # pickled by a sweep launcher's worker back to its parent (joblib, submitit)
+        return (type(self), (self.signum,))
+
 
 class SignalGuard:
     """Turns SIGINT, SIGTERM and SIGHUP into :class:`Interrupted` while a run is on (see :func:`signals`).

@@ -132,14 +132,28 @@ def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
 
     Counts the nodes ``grid.get_node_ids()`` lists: behind a deployment's node binding, only nodes it may use.
     """
-    end = time.monotonic() + timeout
+    start = time.monotonic()
+    end, told = start + timeout, start
     while len(nodes := sorted(grid.get_node_ids())) < expected:
-        if time.monotonic() > end:
+        now = time.monotonic()
+        if now > end:
             refused = len(getattr(grid, "refused", ()))
             also = f" ({refused} other node(s) refused: see nodes.json)" if refused else ""
             raise RunError(f"only {len(nodes)} of {expected} clients connected within {timeout:.0f} s{also}")
+        if now - told >= WAIT_NOTICE:  # say what the run waits for, never silently
+            told = now
+            log.info(
+                "waiting for SuperNodes: %d of %d connected (num_clients=%d; gives up in %.0f s, node_timeout)",
+                len(nodes),
+                expected,
+                expected,
+                end - now,
+            )
         time.sleep(0.05)
     return nodes
+
+
+WAIT_NOTICE = 10.0  # seconds between the lines of wait_for_nodes
 
 
 def _foreign_reason(rep: Message) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import secrets
@@ -31,8 +32,24 @@ try:
 except ImportError:  # pragma: no cover  (Windows: no folder lock)
     fcntl = None
 
+log = logging.getLogger("fedsim")
+# every progress line, also under quiet=true, for the run's log file (the fedsim command gives it the file
+# handler of Hydra's job logging: cli.log); not propagated, so the console shows each line once
+progress_log = logging.getLogger("fedsim.progress")
+progress_log.propagate = False
 LOCK_NAME = ".fedsim.lock"
 _HELD: dict[str, list] = {}  # run folder -> [lock file descriptor, users] held by this process
+
+
+def bar_shape() -> dict:
+    """tqdm's size arguments for stderr: its own (it follows the window) on a terminal with a size; a fixed
+    100x24 on one that reports none (a pseudo-terminal without a window), where tqdm would draw nothing."""
+    try:
+        size = os.get_terminal_size(sys.stderr.fileno())
+        sized = size.columns > 0 and size.lines > 0
+    except (OSError, ValueError, AttributeError):
+        sized = False
+    return {"dynamic_ncols": True} if sized else {"ncols": 100, "nrows": 24}
 
 
 def lock_run_folder(folder: str | Path, key: str = "hydra.run.dir") -> None:
@@ -189,23 +206,28 @@ class Recorder:
         self._rewrite()
         self.bar = None  # a progress bar with ETA (``progress=bar``, or ``auto`` on a terminal)
         if not quiet and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
+            self.bar = self._bar(num_rounds)
+
+    def _bar(self, num_rounds: int):
+        """tqdm's bar below a sweep's bar, or None (one line per round) when tqdm cannot be imported."""
+        try:
             from tqdm import tqdm
+        except ImportError:  # a dependency, but a broken environment should still run: plain lines
+            log.warning("no progress bar (tqdm cannot be imported): one line per round instead")
+            return None
+        from fedsim import sweep
 
-            from fedsim import sweep
-
-            done = self.records[-1][schema.ROUND] if self.records else 0
-            nested = (
-                sweep.LAST_SWEEP is not None and sweep.LAST_SWEEP.bar is not None
-            )  # below the sweep's bar
-            self.bar = tqdm(
-                total=num_rounds,
-                initial=done,
-                unit="round",
-                file=sys.stderr,
-                dynamic_ncols=True,
-                position=1 if nested else None,
-                leave=not nested,
-            )
+        done = self.records[-1][schema.ROUND] if self.records else 0
+        nested = sweep.LAST_SWEEP is not None and sweep.LAST_SWEEP.bar is not None  # below the sweep's bar
+        return tqdm(
+            total=num_rounds,
+            initial=done,
+            unit="round",
+            file=sys.stderr,
+            **bar_shape(),
+            position=1 if nested else None,
+            leave=not nested,
+        )
 
     def _append(self, text: str) -> None:
         """Append whole lines to metrics.jsonl; on failure cut the file back to its last whole line."""
@@ -253,9 +275,10 @@ class Recorder:
 
     def _show(self, record: dict) -> None:
         """The progress line of a record, or the bar moved to its round with the line's figures beside it."""
+        line = self.progress_line(record)
+        progress_log.info(line)
         if self.quiet:
             return
-        line = self.progress_line(record)
         if self.bar is None:
             print(line, file=sys.stderr, flush=True)
             return

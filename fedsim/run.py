@@ -35,6 +35,7 @@ from omegaconf import DictConfig
 from fedsim import __version__, checkpoint, schema
 from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks
+from fedsim.config import quiet_loggers
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals
 from fedsim.experiment import Experiment, build_experiment
@@ -71,6 +72,8 @@ def run_experiment(
         The run could not go on, aggregated no update, diverged, or could not write an output; the outputs of
         the rounds done are in ``out_dir`` (summary ``status`` is ``failed``, ``error`` says why).
     """
+    if grid is None:  # the Python API too: Flower's INFO lines off (a deployed ServerApp's log keeps them)
+        quiet_loggers()
     with contextlib.nullcontext() if grid is not None else signals() as guard:
         exp = build_experiment(cfg, deployed=grid is not None)
         engine = EngineRunner(
@@ -430,6 +433,12 @@ class Run:
             summary["status"] = "failed"
             summary["error"] = "; ".join(x for x in (summary.get("error"), str(e)) if x)
         self.callbacks.end(summary)
+        if self.callbacks.errors:  # tracking failed: the results are whole, the run's tracking is not
+            summary["callback_errors"] = list(self.callbacks.errors)
+            try:
+                rec.write_summary(summary)
+            except OutputError as e:
+                log.warning("summary.json not updated with the callback errors: %s", e)
         title = " ".join(f"{k}={v}" for k, v in self.choices.items())
         curves = self.out_dir / "curves.png"
         asked = rec.records and self.figures is not None

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from flwr.app import Context, Message
@@ -223,9 +224,62 @@ def experiment_from(run_config: dict) -> tuple[DictConfig, dict, Path]:
     return cfg, choices, out_dir_from(run_config)
 
 
+def server_app(
+    overrides: str | Sequence[str] = "", out_dir: str | os.PathLike = "", nodes: str = ""
+) -> ServerApp:
+    """fedsim's ServerApp with its run_config given here: for Flower's ``run_simulation``, which takes none.
+
+    ::
+
+        from flwr.simulation import run_simulation
+        from fedsim.server_app import server_app
+
+        run_simulation(server_app("num_clients=10 num_rounds=5"), my_client_app, num_supernodes=10)
+
+    ``overrides`` are Hydra overrides as on the ``fedsim`` command line (one string, or a list of them),
+    ``out_dir`` the run folder, ``nodes`` a node binding file: the run_config keys ``overrides``, ``out-dir``
+    and ``nodes``. A value that the run's own run_config sets (``flwr run --run-config``) wins over these.
+    """
+    given = {
+        OVERRIDES: overrides if isinstance(overrides, str) else shlex.join(str(o) for o in overrides),
+        OUT_DIR: str(out_dir or ""),
+        NODES: str(nodes or ""),
+    }
+    made = ServerApp()
+
+    @made.main()
+    def _main(grid: Grid, context: Context) -> None:
+        run_config = dict(context.run_config)
+        for key, value in given.items():
+            if value and not str(run_config.get(key, "") or "").strip():
+                run_config[key] = value
+        try:
+            serve(grid, run_config)
+        except DeployConfigError as e:  # run_simulation would print the traceback of its ServerApp thread
+            log.error("%s", e)
+
+    return made
+
+
+def _simulated_nodes(grid: Grid) -> int | None:
+    """The number of SuperNodes of Flower's own simulation (all there from the start), else None."""
+    inner = grid
+    while isinstance(inner, GridView):
+        inner = inner._grid
+    if type(inner).__name__ != "InMemoryGrid":
+        return None
+    return len(list(inner.get_node_ids()))
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Compose the run's config from ``run_config`` and run fedsim's server loop on the SuperLink's Grid."""
+    serve(grid, dict(context.run_config))
+
+
+def serve(grid: Grid, run_config: dict) -> None:
+    """fedsim's server loop on ``grid`` for the run described by ``run_config`` (keys ``overrides``, ``out-dir``,
+    ``nodes``)."""
     from fedsim.run import run_experiment
 
     if not log.handlers:  # progress and warnings reach `flwr log` through the ServerApp's stderr
@@ -235,9 +289,14 @@ def main(grid: Grid, context: Context) -> None:
         log.setLevel(logging.INFO)
     from fedsim.deploy.nodes import NODES_FILE, NodeGate
 
-    run_config = dict(context.run_config)
     cfg, choices, out_dir = experiment_from(run_config)
     binding = binding_from(run_config)
+    simulated = _simulated_nodes(grid)
+    if simulated is not None and simulated < int(cfg.num_clients):  # no more nodes will ever connect
+        raise DeployConfigError(
+            f"fedsim config error: num_clients={cfg.num_clients} but Flower's simulation runs {simulated} "
+            f"SuperNodes (num_supernodes): add num_clients={simulated} to the overrides"
+        )
     log.info("run folder: %s", out_dir.resolve())
     if binding is None:
         log.warning(

@@ -31,6 +31,7 @@ COLUMNS = (
     "accountant",
     "sampling",
     "error",
+    "callback_errors",  # tracking that failed (the run's results are complete)
 )
 
 
@@ -45,12 +46,14 @@ def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
     ]
     for job in sorted(folders, key=lambda p: int(p.name)):
         over_file = job / ".hydra" / "overrides.yaml"
-        overrides = " ".join(OmegaConf.load(over_file)) if over_file.exists() else ""
-        row: dict[str, Any] = {"job": int(job.name), "overrides": overrides}
+        given = [str(o) for o in OmegaConf.load(over_file)] if over_file.exists() else []
+        row: dict[str, Any] = {"job": int(job.name), "overrides": " ".join(given), PARAMS: _params(given)}
         summ = job / "summary.json"
         if summ.exists():
             s = json.loads(summ.read_text())
             row.update({k: s.get(k) for k in COLUMNS if k in s})
+            if isinstance(row.get("callback_errors"), list):
+                row["callback_errors"] = "; ".join(row["callback_errors"])
             row.update({k: v for k, v in s.items() if _is_metric_column(k)})
             if row.get("status") == "failed" and (job / "error.txt").exists():
                 row["error"] = (job / "error.txt").read_text().strip()
@@ -62,16 +65,46 @@ def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
     return rows
 
 
+PARAMS = "_params"  # a row's overrides as {key: value} (not a column)
+
+
+def _params(overrides: list[str]) -> dict[str, str]:
+    """``["strategy=fedprox", "client.lr=0.1"]`` as ``{"strategy": "fedprox", "client.lr": "0.1"}``."""
+    out = {}
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def swept_keys(rows: list[dict]) -> list[str]:
+    """The override keys whose value differs between the rows (every override key of a one-job sweep), in
+    the order they were given."""
+    keys = list(dict.fromkeys(k for r in rows for k in r.get(PARAMS, {})))
+    if len(rows) <= 1:
+        return keys
+    return [k for k in keys if len({r.get(PARAMS, {}).get(k) for r in rows}) > 1]
+
+
 def write_summary(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
-    """Write sweep_summary.csv and sweep.png for ``sweep_dir`` (the ``jobs`` of one multirun); return the rows."""
+    """Write sweep_summary.csv and sweep.png for ``sweep_dir`` (the ``jobs`` of one multirun); return the rows.
+
+    The CSV has one column per swept key (named as the key; ``param:KEY`` where that name is a summary
+    column already) after ``job``, then the overrides and the figures.
+    """
     rows = collect(sweep_dir, jobs)
+    swept = swept_keys(rows)
+    names = {k: (f"param:{k}" if k in COLUMNS or k.startswith(("final_", "best_")) else k) for k in swept}
     columns = columns_for(rows)
+    columns = columns[:1] + [names[k] for k in swept] + columns[1:]
     with open(sweep_dir / "sweep_summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k, "") for k in columns})
-    plot_sweep(sweep_dir, rows)
+            values = {names[k]: r[PARAMS].get(k, "") for k in swept}
+            w.writerow({k: values.get(k, r.get(k, "")) for k in columns})
+    plot_sweep(sweep_dir, rows, swept)
     return rows
 
 
@@ -91,8 +124,9 @@ def columns_for(rows: list[dict]) -> list[str]:
     return head + [f"{w}_eval_{m}" for m in metrics_of(rows) for w in ("final", "best")] + tail
 
 
-def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
-    """sweep.png: each run's accuracy (the task's metric) against round and against simulated time."""
+def plot_sweep(sweep_dir: Path, rows: list[dict], swept: list[str] | None = None) -> list[str]:
+    """sweep.png: each run's accuracy (the task's metric) against round and against simulated time; a curve is
+    labelled by its swept values only, in a legend below the plots; return the labels."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,28 +134,34 @@ def plot_sweep(sweep_dir: Path, rows: list[dict]) -> None:
 
     metric = metrics_of(rows)[0]
     field = schema.eval_field(metric)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), constrained_layout=True)
+    swept = swept_keys(rows) if swept is None else swept
+    legend_rows = -(-len(rows) // 4)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5 + 0.25 * legend_rows), layout="constrained")
     for r in rows:
         path = sweep_dir / str(r["job"]) / "metrics.jsonl"
         if r.get("status") == "failed" or not path.exists():
             continue
         recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         ev = [x for x in recs if x.get(field) is not None]
-        label = r["overrides"] or f"job {r['job']}"
+        values = [f"{k}={r.get(PARAMS, {}).get(k, '')}" for k in swept]
+        label = " ".join(values) or f"job {r['job']}"
         axes[0].plot([x[schema.ROUND] for x in ev], [x[field] for x in ev], label=label)
         axes[1].plot([x.get(schema.SIM_TIME, 0) for x in ev], [x[field] for x in ev], label=label)
     axes[0].set(xlabel="round", ylabel=f"eval {metric}")
     axes[1].set(xlabel="simulated time (s)", ylabel=f"eval {metric}")
     for ax in axes:
         ax.grid(alpha=0.3)
-    if rows:
-        axes[1].legend(fontsize=7, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    if handles:  # below both plots, never over a curve
+        fig.legend(handles, labels, loc="outside lower center", ncol=min(4, len(labels)), fontsize=8)
     fig.savefig(sweep_dir / "sweep.png", dpi=100)
     plt.close(fig)
+    return labels
 
 
 BASIC_SWEEPER = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
 FAILED_JOBS: list[str] = []  # job folders of the last summarised sweep that failed (any launcher)
+TRACKING_FAILED: list[str] = []  # job folders whose tracking callbacks failed (results complete)
 LAST_SWEEP: SweepSummary | None = None  # the multirun in progress (summarised by the CLI if it is cut short)
 
 
@@ -180,13 +220,18 @@ def sweep_bar(config: DictConfig):
         return None
     if OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
         return None
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # a dependency; a broken environment still runs, without the sweep's bar
+        return None
 
     jobs = (
         expected_jobs(config) if OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER else None
     )
     total = len(jobs) if jobs else OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
-    return tqdm(total=total, unit="run", desc="sweep", position=0, file=sys.stderr, dynamic_ncols=True)
+    from fedsim.recorder import bar_shape
+
+    return tqdm(total=total, unit="run", desc="sweep", position=0, file=sys.stderr, **bar_shape())
 
 
 class SweepSummary(Callback):
@@ -209,6 +254,8 @@ class SweepSummary(Callback):
         self.jobs, self.config, self.started = set(), config, time.time()
         LAST_SWEEP = self
         self.bar = sweep_bar(config)
+        if OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
+            STOP.arm(Path(config.hydra.sweep.dir))  # jobs in other processes: the parent must pass signals on
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         num = OmegaConf.select(config, "hydra.job.num")
@@ -240,4 +287,119 @@ class SweepSummary(Callback):
         FAILED_JOBS[:] = [
             str((sweep_dir / str(r["job"])).resolve()) for r in rows if r.get("status") == "failed"
         ]
+        TRACKING_FAILED[:] = [
+            str((sweep_dir / str(r["job"])).resolve()) for r in rows if r.get("callback_errors")
+        ]
         print(f"fedsim: sweep summary of {len(rows)} runs in {sweep_dir / 'sweep_summary.csv'}")
+
+
+STOP_MARKER = ".fedsim-stop"  # in the sweep folder: the sweep was stopped; jobs not started yet do not start
+JOBS_FOLDER = ".fedsim-jobs"  # in the sweep folder: one empty file per running job, named by its process id
+
+
+class SweepStop:
+    """Signals to the parent of a sweep whose launcher runs the jobs in other processes (joblib, submitit).
+
+    SIGINT, SIGTERM and SIGHUP to the parent are passed on to every running job (each then ends as a single
+    run does: outputs written, summary ``interrupted``), a marker in the sweep folder keeps queued jobs from
+    starting, the sweep summary is written, and the command exits 128 + the signal. A second signal kills
+    every process the parent started at once.
+    """
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGHUP")
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.sweep_dir: Path | None = None
+
+    def arm(self, sweep_dir: Path) -> None:
+        import signal
+        import threading
+
+        self.sweep_dir, self.signum = sweep_dir, None
+        (sweep_dir / STOP_MARKER).unlink(missing_ok=True)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.NAMES:
+            sig = getattr(signal, name, None)
+            if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        import contextlib
+        import os
+        import signal
+
+        if self.signum is not None:  # a second signal: no more waiting
+            for pid in descendants(os.getpid()):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        self.signum = signum
+        if self.sweep_dir is None:
+            return
+        with contextlib.suppress(OSError):  # first the marker, then the running jobs (see job_slot)
+            (self.sweep_dir / STOP_MARKER).write_text(signal.Signals(signum).name + "\n")
+        jobs = self.sweep_dir / JOBS_FOLDER
+        for entry in jobs.iterdir() if jobs.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError):
+                os.kill(int(entry.name), signum)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid``, at any depth (Linux: read from /proc; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past "(comm)"
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stopped(sweep_dir: str | Path) -> str | None:
+    """The signal that stopped the sweep in ``sweep_dir``, or None."""
+    try:
+        return (Path(sweep_dir) / STOP_MARKER).read_text().strip() or "a signal"
+    except OSError:
+        return None
+
+
+def job_slot(sweep_dir: str | Path):
+    """Context manager around one sweep job: the run's signal guard from the start, the job's process listed
+    in the sweep folder for the parent to signal, and (as the value) the signal that stopped the sweep
+    before this job began, or None.
+
+    The job lists itself before it reads the stop marker, and the parent writes the marker before it reads
+    the list: a job either sees the marker or receives the signal.
+    """
+    import contextlib
+    import os
+
+    from fedsim.errors import signals
+
+    @contextlib.contextmanager
+    def slot():
+        folder = Path(sweep_dir) / JOBS_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = folder / str(os.getpid())
+        with signals():
+            mine.touch()
+            try:
+                yield stopped(sweep_dir)
+            finally:
+                mine.unlink(missing_ok=True)
+
+    return slot()
+
+
+STOP = SweepStop()

@@ -1,12 +1,14 @@
 """Per-round callbacks and live trackers, each read back with the tracker's own reader."""
 
 import json
+import os
 import sys
 
 import pytest
 from helpers import TINY, compose_cfg, fedsim_cli, read_metrics, run_tiny
 
 from fedsim.callbacks import Callback, scalars
+from fedsim.config import FLOWER_ENV
 from fedsim.errors import ConfigError
 
 
@@ -47,6 +49,8 @@ def test_a_failing_callback_is_warned_about_once_and_the_run_goes_on(tmp_path, c
     assert summary["status"] == "completed" and summary["rounds_done"] == 2
     warnings = [r for r in caplog.records if "callback Broken failed" in r.getMessage()]
     assert len(warnings) == 1 and "tracker down" in warnings[0].getMessage()
+    written = json.loads((tmp_path / "summary.json").read_text())  # kept for the command's exit status
+    assert written["callback_errors"] == ["Broken.on_round: RuntimeError: tracker down"]
 
 
 @pytest.mark.slow
@@ -64,7 +68,7 @@ def test_callbacks_and_loggers_that_cannot_be_built_are_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if the extra were not installed
     with pytest.raises(ConfigError) as e:
         build_experiment(compose_cfg(*TINY, "logger=wandb"))
-    assert e.value.key == "logger" and "pip install 'fedsim[wandb]'" in str(e.value)
+    assert e.value.key == "logger" and 'pip install -e ".[wandb]"' in str(e.value)
 
 
 def test_scalars_flatten_nested_fields_and_keep_booleans_as_numbers():
@@ -147,3 +151,44 @@ def test_a_sweep_shows_a_bar_over_its_runs_above_each_runs_bar(tmp_path):
     err = res.stderr.replace("\r", "\n")
     assert "sweep: 100%" in err and "2/2 [" in err  # the sweep's bar: runs done, elapsed<remaining
     assert "round/s" in err or "s/round" in err  # and each run's own bar
+
+
+def test_without_tqdm_the_bar_becomes_one_line_per_round(tmp_path, capsys, monkeypatch, caplog):
+    from fedsim.recorder import Recorder
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # as if it could not be imported
+    rec = Recorder(tmp_path, num_rounds=2, progress="bar")
+    assert rec.bar is None and "no progress bar (tqdm cannot be imported)" in caplog.text
+    rec.log({"round": 1, "eval_accuracy": 0.5, "eval_loss": 1.0, "num_clients": 3})
+    assert "[round 1/2]  acc 0.5000" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_on_a_terminal_the_command_draws_its_bar_says_where_outputs_are_and_cli_log_keeps_the_lines(tmp_path):
+    """The README's first command as a user types it: a pseudo-terminal (util-linux `script`, which gives it no
+    window size, the case where tqdm drew nothing)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("script") is None:
+        pytest.skip("needs util-linux script for a pseudo-terminal")
+    cmd = f"{sys.executable} -m fedsim num_clients=6 clients_per_round=3 num_rounds=3 hydra.run.dir=run"
+    env = {**os.environ, **FLOWER_ENV}
+    res = subprocess.run(
+        ["script", "-qec", cmd, "/dev/null"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    screen = res.stdout.replace("\r", "\n")
+    assert res.returncode == 0, screen[-3000:]
+    assert "3/3 [" in screen and "round/s" in screen and "[round 1/3]" not in screen  # the bar, not lines
+    last = [ln for ln in screen.splitlines() if ln.strip()][-1]
+    assert last.startswith("fedsim: completed after 3 rounds, accuracy ") and "outputs in run/ (" in last
+    log = (tmp_path / "run" / "cli.log").read_text()
+    assert [ln.split("]  ")[0].split("- ")[-1] for ln in log.splitlines() if "[round" in ln] == [
+        f"[round {r}/3" for r in range(4)
+    ]
+    assert "outputs in run/" in log.splitlines()[-1]

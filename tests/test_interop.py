@@ -13,6 +13,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import ServerApp
 from flwr.serverapp import strategy as flwr_strategies
 from helpers import TINY, compose_cfg, read_metrics
 from strategy_helpers import server_identity
@@ -203,6 +204,75 @@ def test_fedsim_clientapp_under_flower_fedavg_from_its_run_config():
     assert result.train_metrics_clientapp[1][keys.TRAIN_LOSS] > 0
 
 
+# A ServerApp written as Flower's PyTorch quickstart writes it: its own model, FedAvg, `lr` in the train config,
+# the numbers from its run_config.
+quickstart_server = ServerApp()
+
+
+@quickstart_server.main()
+def quickstart_main(grid, context: Context) -> None:
+    net = _stock_net(STOCK_HIDDEN)
+    torch.manual_seed(0)
+    net.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    strategy = flwr_strategies.FedAvg(fraction_train=float(context.run_config["fraction-train"]), **FLOWER_KW)
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(net.state_dict()),
+        train_config=ConfigRecord({k: float(v) for k, v in context.run_config.items() if k == "lr"}),
+        num_rounds=int(context.run_config["num-server-rounds"]),
+        timeout=60,
+    )
+    context.state["result"] = result.arrays
+
+
+def _quickstart(run_config: dict, client_run_config: dict) -> np.ndarray:
+    """Run the quickstart ServerApp's main against fedsim's ClientApp on 3 nodes; the final model, flat."""
+    from flwr.app import RecordDict
+
+    ctx = Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=run_config)
+    with _ConfiguredPool(3, client_run_config) as grid:
+        quickstart_main(grid, ctx)
+    return _flat(ctx.state["result"])
+
+
+QUICKSTART = {"fraction-train": 1.0, "num-server-rounds": 2}
+
+
+def test_fedsim_clientapp_under_a_quickstart_serverapp_honours_lr_and_local_epochs(caplog):
+    """Flower's `lr` (train config) and `local-epochs` (run config, as the quickstart's ClientApp reads it) mean
+    what fedsim's client.lr and client.local_epochs mean: the same final model, to float rounding."""
+    flower = _quickstart({**QUICKSTART, "lr": 0.02}, {"overrides": OVERRIDES, "local-epochs": 2})
+    fedsim_keys = _quickstart(QUICKSTART, {"overrides": f"{OVERRIDES} client.lr=0.02 client.local_epochs=2"})
+    default = _quickstart({**QUICKSTART, "lr": 0.05}, {"overrides": OVERRIDES})  # 0.05: fedsim's client.lr
+    np.testing.assert_allclose(flower, fedsim_keys, rtol=0, atol=1e-6)
+    assert np.abs(flower - default).max() > 1e-3  # the keys changed the training
+
+
+def test_fedsim_clientapp_names_the_train_config_keys_it_ignores(caplog):
+    initial = _initial(OVERRIDES)
+    cfg = ConfigRecord({"lr": 0.05, "momentum-boost": 3.0})
+    with (
+        caplog.at_level(logging.WARNING, logger="fedsim"),
+        _ConfiguredPool(3, {"overrides": OVERRIDES}) as grid,
+    ):
+        flwr_strategies.FedAvg(**FLOWER_KW).start(
+            grid=grid, initial_arrays=initial, train_config=cfg, num_rounds=1, timeout=60
+        )
+    warned = [r.getMessage() for r in caplog.records if "ignores train-config" in r.getMessage()]
+    assert warned and "'momentum-boost'" in warned[0] and "'lr'" not in warned[0].split("(")[0]
+
+
+def test_a_bad_flower_lr_is_one_line_in_the_reply():
+    initial = _initial(OVERRIDES)
+    with _ConfiguredPool(3, {"overrides": OVERRIDES}) as grid:
+        msgs = list(
+            flwr_strategies.FedAvg(**FLOWER_KW).configure_train(1, initial, ConfigRecord({"lr": 0.0}), grid)
+        )
+        replies = list(grid.send_and_receive(msgs))
+    reasons = [str(r.error.reason) for r in replies if r.has_error()]
+    assert len(reasons) == 3 and "lr=0.0 is not allowed" in reasons[0]
+
+
 def test_fedsim_clientapp_without_spec_or_run_config_fails_with_one_line():
     initial = _initial(OVERRIDES)
     with PoolGrid(3) as grid:
@@ -277,33 +347,24 @@ def test_a_flower_name_contradicting_fedsims_is_one_config_error():
 
 @pytest.mark.slow
 def test_stock_clientapp_under_fedsims_serverapp_in_flowers_simulation(tmp_path, monkeypatch):
-    """fedsim's deployed ServerApp (fedsim.server_app.app) and the stock ClientApp on Flower's Ray engine."""
+    """fedsim's ServerApp, given its overrides through ``server_app(...)``, and the stock ClientApp on Flower's
+    own public ``run_simulation`` (Ray), as a Flower user writes it."""
     import os
 
-    from flwr.app import RecordDict
-    from flwr.simulation.run_simulation import _run_simulation
-    from flwr.supercore.telemetry import EventType
+    from flwr.simulation import run_simulation
 
-    from fedsim.server_app import app as fedsim_server_app
+    from fedsim.server_app import server_app
 
     here = os.path.dirname(__file__)  # the Ray actors import this module to unpickle the ClientApp
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    run_config = {
-        "overrides": "num_clients=4 clients_per_round=4 num_rounds=2 quiet=true",
-        "out-dir": str(tmp_path),
-    }
-    _run_simulation(
-        server_app=fedsim_server_app,
+    run_simulation(
+        server_app=server_app("num_clients=4 clients_per_round=4 num_rounds=2 quiet=true", out_dir=tmp_path),
         client_app=stock_app,
         num_supernodes=4,
         backend_config={
             "client_resources": {"num_cpus": 1, "num_gpus": 0.0},
             "init_args": {"num_cpus": 2, "include_dashboard": False},
         },
-        exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-        server_app_context=Context(
-            run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config=run_config
-        ),
     )
     rounds = [r for r in read_metrics(tmp_path) if r["round"] > 0]
     assert [r["num_clients"] for r in rounds] == [4, 4] and all(r["failures"] == 0 for r in rounds)

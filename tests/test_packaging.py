@@ -82,7 +82,7 @@ def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
         timeout=300,
         capture_output=True,
     )
-    [wheel] = tmp_path.glob("fedsim-*.whl")
+    [wheel] = tmp_path.glob("fedsim_flower-*.whl")  # the distribution name; the import name is fedsim
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"fedsim", wheel.name.split("-py")[0] + ".dist-info"}, top

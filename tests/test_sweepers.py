@@ -1,6 +1,8 @@
 """Hydra's sweepers: a job returns a float objective, so ``hydra/sweeper=optuna`` searches over fedsim's keys."""
 
+import csv
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -61,7 +63,9 @@ def test_optuna_searches_the_learning_rate_and_reports_the_best_run(tmp_path):
     best = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())
     assert best["best_value"] == max(accs)  # what Optuna saw is what each job's summary says
     rows = (tmp_path / "sweep" / "sweep_summary.csv").read_text().splitlines()
-    assert len(rows) == 4 and rows[0].startswith("job,overrides,status,final_eval_accuracy")
+    assert len(rows) == 4 and rows[0].startswith("job,client.lr,overrides,status,final_eval_accuracy")
+    lrs = [float(r.split(",")[1]) for r in rows[1:]]  # the swept key's column holds each trial's value
+    assert all(0.01 <= lr <= 0.5 for lr in lrs) and len(set(lrs)) == 3
     assert "will minimize" not in res.stderr  # direction=maximize: no warning
 
 
@@ -89,3 +93,135 @@ def test_the_robustness_bundle_carries_its_strategy_by_attack_grid():
     assert len(grid) == 16
     for group, option in {("strategy", s) for s, _ in grid} | {("attack", a) for _, a in grid}:
         assert compose_cfg(f"{group}={option}")[group] is not None  # every option of the grid exists
+
+
+TRACKER = """
+from fedsim.callbacks import Callback
+
+
+class FailsForSeedOne(Callback):
+    def on_run_start(self, out_dir, config, records):
+        if config["seed"] == 1:
+            raise RuntimeError("tracking server unreachable")
+"""
+
+
+@pytest.mark.slow
+def test_parallel_jobs_share_one_mlflow_store_and_a_failed_tracker_fails_the_sweep(tmp_path):
+    """Two joblib workers, four jobs, one MLflow store in the sweep folder: every job is logged whole; the job
+    whose own tracker failed keeps its results, is named in the summary, and the sweep exits 1."""
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    (tmp_path / "tracker.py").write_text(TRACKER)
+    res = fedsim_cli(
+        "-m",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "logger=mlflow",
+        "callbacks=[{_target_: tracker.FailsForSeedOne}]",
+        "seed=0,1,2,3",
+        "hydra.sweep.dir=sweep",
+        *TINY,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "tracking (logger= or callbacks=) failed for 1 run(s)" in res.stderr
+    sweep = tmp_path / "sweep"
+    client = MlflowClient(tracking_uri=f"sqlite:///{sweep / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+    assert sorted(r.data.params["seed"] for r in runs) == ["0", "1", "2", "3"]
+    for run in runs:
+        job = json.loads((sweep / run.info.run_name / "summary.json").read_text())
+        assert run.data.metrics["final.final_eval_accuracy"] == pytest.approx(job["final_eval_accuracy"])
+    rows = list(csv.DictReader((sweep / "sweep_summary.csv").open()))
+    assert [r["seed"] for r in rows] == ["0", "1", "2", "3"] and {r["status"] for r in rows} == {"completed"}
+    failed = [r["seed"] for r in rows if r["callback_errors"]]
+    assert failed == ["1"] and "tracking server unreachable" in rows[1]["callback_errors"]
+
+
+def _fake_job(sweep: Path, num: int, overrides: list[str], accs: list[float]) -> None:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    records = [{"round": i, "sim_time": float(i), "eval_accuracy": a} for i, a in enumerate(accs)]
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"status": "completed", "final_eval_accuracy": accs[-1], "rounds_done": len(accs) - 1}
+    (job / "summary.json").write_text(json.dumps(summary))
+
+
+def test_sweep_summary_has_a_column_per_swept_key_and_curves_named_by_their_values(tmp_path):
+    from fedsim.sweep import write_summary
+
+    grid = [(s, lr) for s in ("fedavg", "fedprox") for lr in ("0.1", "0.01")]
+    for i, (strategy, lr) in enumerate(grid):
+        _fake_job(
+            tmp_path,
+            i,
+            [f"strategy={strategy}", f"client.lr={lr}", "num_rounds=2"],
+            [0.1, 0.5, 0.7 + i / 100],
+        )
+    rows = write_summary(tmp_path)
+    table = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
+    assert list(table[0])[:4] == ["job", "strategy", "client.lr", "overrides"]  # num_rounds is not swept
+    assert [(r["strategy"], r["client.lr"]) for r in table] == grid
+    assert len(rows) == 4 and (tmp_path / "sweep.png").stat().st_size > 0
+    from fedsim.sweep import plot_sweep, swept_keys
+
+    labels = plot_sweep(tmp_path, rows, swept_keys(rows))
+    assert labels == [f"strategy={s} client.lr={lr}" for s, lr in grid]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local"])
+def test_sigterm_to_a_sweep_launchers_parent_stops_its_jobs_with_their_outputs(tmp_path, launcher):
+    """The jobs run in other processes: the signal reaches each running job, which writes its outputs as a
+    single run does; queued jobs never start; nothing outlives the command, which exits 143."""
+    import signal
+    import time
+
+    from fedsim.sweep import descendants
+
+    pytest.importorskip(f"hydra_plugins.hydra_{launcher.split('_')[0]}_launcher")
+    proc = fedsim_cli(
+        "-m",
+        f"hydra/launcher={launcher}",
+        *(["hydra.launcher.n_jobs=2"] if launcher == "joblib" else []),
+        "seed=0,1",
+        "num_rounds=5000",
+        "checkpoint_every=0",
+        "hydra.sweep.dir=sweep",
+        *TINY[:2],
+        "quiet=true",
+        cwd=tmp_path,
+        background=True,
+    )
+    sweep = tmp_path / "sweep"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        done = [len(p.read_text().splitlines()) for p in sweep.glob("*/metrics.jsonl")]
+        if len(done) == 2 and min(done) >= 3:
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    children = descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-4000:]
+    for job in (sweep / "0", sweep / "1"):
+        summary = json.loads((job / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM"
+        assert summary["rounds_done"] == len((job / "metrics.jsonl").read_text().splitlines()) - 1
+    assert (sweep / "sweep_summary.csv").exists()
+    time.sleep(1.0)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
+    assert not alive, alive
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

@@ -1,5 +1,5 @@
 """Any tabular or image data set that Hugging Face ``datasets`` reads: local parquet, CSV or JSON files, a folder
-written by ``Dataset.save_to_disk``, or a Hub name when online (``pip install 'fedsim[hf]'``).
+written by ``Dataset.save_to_disk``, or a Hub name when online (``pip install -e ".[hf]"``).
 
 The feature and label columns are named in the config; a ``group`` column (a writer or user id) gives each
 training example its natural owner, so ``partitioner=natural`` makes one client per writer, FEMNIST-style.
@@ -20,7 +20,7 @@ from fedsim.errors import ConfigError
 __all__ = ["load_hf"]
 
 BUILDERS = {".parquet": "parquet", ".csv": "csv", ".json": "json", ".jsonl": "json", ".arrow": "arrow"}
-INSTALL = "pip install 'fedsim[hf]'"
+INSTALL = 'pip install -e ".[hf]"'
 
 
 @functools.cache

@@ -377,7 +377,7 @@ def flwr_datasets(
         from flwr_datasets import partitioner as fp
     except ImportError as exc:
         raise ConfigError(
-            "name", name, "an installed flwr-datasets", "Install it with `pip install fedsim[hf]`."
+            "name", name, "an installed flwr-datasets", 'Install it with `pip install -e ".[hf]"`.'
         ) from exc
     cls = getattr(fp, name, None)
     if not isinstance(cls, type) or not issubclass(cls, getattr(fp, "Partitioner", object)):
