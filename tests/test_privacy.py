@@ -336,3 +336,19 @@ def test_no_logger_or_callback_receives_the_noise_seed():
     assert seen[0]["clipping"] == {"noise_multiplier": 1.0} and seen[1]["epsilon"] == 1.0
     assert "clipping.noise_seed" not in flat_config(config)  # mlflow params, tensorboard hparams
     assert config["clipping"]["noise_seed"] == secret  # the caller's dict is left untouched
+
+
+@pytest.mark.slow
+def test_an_mlflow_run_with_an_operator_seed_holds_neither_the_seed_nor_its_key(tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+
+    secret = seed_where(lambda s: min(s) >= 1, 6, 3, 2)
+    run_tiny(tmp_path, *DP, f"clipping.noise_seed={secret}", "logger=mlflow", "checkpoint_every=2")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+    assert run.data.params["clipping.noise_multiplier"] == "1.0"  # the config was logged ...
+    assert "clipping.noise_seed" not in run.data.params  # ... without the seed
+    assert str(secret).encode() not in (tmp_path / "mlflow.db").read_bytes()
+    assert "noise_seed" not in json.loads((tmp_path / "summary.json").read_text())
