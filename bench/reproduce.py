@@ -69,17 +69,21 @@ SWEEPS = {
         ),
     ],
     # DP: Poisson sampling (the default) and, for comparison, fixed-size cohorts (replace-one accounting).
-    # noise_seed is set so that the tables can be reproduced; it is the server's secret, never sent to clients.
+    # noise_seed is published (and so is not secret: debug_noise_seed accepts it) so that the tables can be
+    # reproduced; these runs demonstrate accuracy against epsilon, they protect no one.
     "dp": [
-        ("dp_fixed", "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8 clipping.noise_seed=1"),
+        (
+            "dp_fixed",
+            "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8 clipping.noise_seed=1 clipping.debug_noise_seed=true",
+        ),
         (
             "dp_adaptive",
             "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm clipping.noise_multiplier=0,1,4 "
-            "clipping.noise_seed=1",
+            "clipping.noise_seed=1 clipping.debug_noise_seed=true",
         ),
         (
             "dp_fixed_size",
-            "experiment=dp_fedavg clipping.sampling=fixed clipping.noise_multiplier=1,4 clipping.noise_seed=1",
+            "experiment=dp_fedavg clipping.sampling=fixed clipping.noise_multiplier=1,4 clipping.noise_seed=1 clipping.debug_noise_seed=true",
         ),
     ],
     "client_drift": [

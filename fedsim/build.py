@@ -27,7 +27,7 @@ from fedsim.groups import typed
 from fedsim.models import build_model
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.strategies import base
+from fedsim.strategies import base, composition
 from fedsim.training import LocalTraining
 
 # Config sections a client needs to rebuild its task; they travel as JSON in every train message.
@@ -419,6 +419,8 @@ def bind_client_algorithm(spec: dict, strategy) -> None:
             f"{server.rsplit('.', 1)[-1]}",
         )
     client_algorithm(spec)  # its own parameters, checked before any work
+    # from what each side declares it releases: e.g. DP does not cover SCAFFOLD's control variates
+    composition.check(strategy, cls, local_training(spec).optimizer)
 
 
 @dataclass
@@ -565,12 +567,6 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             seed=int(cfg.seed),
         )
     if cfg.get("selection") is not None and cfg.selection.get("_target_"):  # asked first for the cohort
-        if cfg.clipping.get("_target_"):
-            raise ConfigError(
-                "selection",
-                cfg.selection._target_.rsplit(".", 1)[-1],
-                "uniform with clipping (the clipping wrapper draws every cohort itself, e.g. DP's Poisson sampling)",
-            )
         strategy = _instantiate(
             "selection",
             cfg.selection,
@@ -588,12 +584,10 @@ def _check_async(cfg: DictConfig, strategy) -> None:
         strategy.check_population(int(cfg.num_clients))
     except ConfigError as e:
         raise e.with_prefix("strategy") from None
-    if cfg.clipping.get("_target_"):
-        raise ConfigError(
-            "clipping",
-            cfg.clipping._target_.rsplit(".", 1)[-1],
-            "none with an asynchronous strategy (clipping wraps synchronous aggregation)",
-        )
+    if cfg.clipping.get("_target_"):  # from the strategy's declared releases
+        dp = float(cfg.clipping.get("noise_multiplier") or 0) > 0
+        why = composition.dp_refusal(strategy, frozenset(), dp=dp)
+        raise composition.CompositionError("clipping", why, composition.refusal_fix(why))
     if cfg.get("federated_eval"):
         raise ConfigError("federated_eval", True, "false with an asynchronous strategy")
     if cfg.get("attack") is not None and cfg.attack.get("_target_"):

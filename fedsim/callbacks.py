@@ -12,6 +12,9 @@ The config names them: ``logger=tensorboard`` (or ``wandb``, ``mlflow``; ``none`
 once, as a warning naming it, and not called again: tracking never costs a run its results. The failure is
 kept in summary.json (``callback_errors``) and the ``fedsim`` command (a sweep too) then exits non-zero, so a
 run whose tracking is incomplete is never mistaken for a fully logged one.
+
+No callback sees a secret: the config and the summary they receive are :func:`redact`-ed (``SECRET_KEYS``,
+e.g. the DP noise seed, which would let anyone remove the noise).
 """
 
 from __future__ import annotations
@@ -23,7 +26,23 @@ from typing import Any
 
 log = logging.getLogger("fedsim")
 
-__all__ = ["Callback", "Callbacks", "MLflow", "TensorBoard", "WandB", "flat_config", "scalars"]
+__all__ = ["Callback", "Callbacks", "MLflow", "TensorBoard", "WandB", "flat_config", "redact", "scalars"]
+
+SECRET_KEYS = (
+    "clipping.noise_seed",
+    "noise_seed",
+)  # dotted config paths, then summary fields: never exported
+
+
+def redact(node: dict, prefix: str = "") -> dict:
+    """A copy of a config or summary without the ``SECRET_KEYS`` (at any depth for a summary's ``config``)."""
+    out = {}
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if key in SECRET_KEYS or (not prefix and k in SECRET_KEYS):
+            continue
+        out[k] = redact(v, f"{key}.") if isinstance(v, dict) else v
+    return out
 
 
 class Callback:
@@ -60,12 +79,16 @@ class Callbacks:
         log.warning("callback %s failed in %s and is off for this run: %s", type(cb).__name__, hook, first)
 
     def start(self, out_dir: Path, config: dict, records: list[dict]) -> None:
-        self._call("on_run_start", out_dir, config, records)
+        self._call("on_run_start", out_dir, redact(config), records)
 
     def round(self, record: dict) -> None:
         self._call("on_round", record)
 
     def end(self, summary: dict) -> None:
+        summary = {
+            **redact(summary),
+            **({"config": redact(summary["config"])} if "config" in summary else {}),
+        }
         self._call("on_run_end", summary)
         for cb in self.callbacks:  # a logger's files are complete once the run has ended
             close = getattr(cb, "close", None)
@@ -93,10 +116,13 @@ def results(summary: dict) -> dict:
 
 
 def flat_config(config: dict, prefix: str = "") -> dict[str, Any]:
-    """The resolved config as ``dotted.key: value`` with values a tracker takes (numbers, strings, booleans)."""
+    """The resolved config as ``dotted.key: value`` with values a tracker takes (numbers, strings, booleans);
+    never a ``SECRET_KEYS`` entry."""
     out: dict[str, Any] = {}
     for k, v in config.items():
         key = f"{prefix}{k}"
+        if key in SECRET_KEYS:
+            continue
         if isinstance(v, dict):
             out.update(flat_config(v, f"{key}."))
         elif isinstance(v, (bool, int, float, str)):

@@ -1,9 +1,17 @@
 """Communication cost: the serialised size of the messages a round sends and receives.
 
-A message's size is that of its RecordDict in Flower's protobuf encoding (``recorddict_to_proto``), which is
-what travels between a SuperLink and a SuperNode (arrays, the train config with fedsim's run spec, metrics);
-the routing metadata (about a hundred bytes) is left out. Flower's strategies hand every message of a round
-the same RecordDict object, so each distinct object is sized once.
+What is measured, exactly: a message's size is that of its RecordDict in Flower's protobuf encoding
+(``recorddict_to_proto``: arrays, the train config with fedsim's run spec, metrics); the routing metadata
+(about a hundred bytes) is left out. Flower's strategies hand every message of a round the same RecordDict
+object, so each distinct object is sized once.
+
+What it is not: the bytes on the wire. In simulation nothing travels. In a deployment Flower 1.42 does not
+send one RecordDict protobuf between SuperLink and SuperNode: it ships a message as separate objects (the
+message and each record or array, each with its own header and identifier), inside gRPC/HTTP2 frames and,
+with TLS, records. That adds a per-object overhead, small against a dense model (an audit measured about +7 %
+on the digits MLP) and large against a tiny one (about 2x for a top-k 1 % reply), so compression ratios
+computed from these sizes overstate the cut on the wire for small replies. ``bench/deploy.py`` is the place
+to measure the wire.
 
 Arrays are sized without being encoded: an ``Array`` message is its header (dtype, shape, stype: encoded
 once per kind and cached) plus its ``data`` field, and each enclosing message adds its fields' tags and

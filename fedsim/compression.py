@@ -55,11 +55,18 @@ def topk_decode(idx: np.ndarray, values: np.ndarray, d: int) -> np.ndarray:
 
 
 def qsgd(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.float32, np.ndarray]:
-    """QSGD's ``(|v|, signed levels in [-s, s])`` of ``v`` ``(d,)``; unbiased: ``E[decode] = v``."""
-    norm = np.float32(np.linalg.norm(v))
+    """QSGD's ``(|v|, signed levels in [-s, s])`` of ``v`` ``(d,)``; unbiased: ``E[decode] = v``.
+
+    The norm is sent as float32 rounded *up*, so that ``|v_i| / norm <= 1`` and no level exceeds ``s`` (rounded
+    to nearest it could fall below ``max |v_i|``, giving level ``s + 1``: 128 wraps to -128 in int8).
+    """
+    exact = np.linalg.norm(np.asarray(v, np.float64))
+    norm = np.float32(exact)
+    if norm < exact:
+        norm = np.nextafter(norm, np.float32(np.inf))
     if norm == 0:
         return norm, np.zeros(v.shape, np.int8 if s <= 127 else np.int32)
-    scaled = np.abs(v) / np.float64(norm) * s  # in [0, s]
+    scaled = np.minimum(np.abs(v) / np.float64(norm) * s, s)  # in [0, s]
     low = np.floor(scaled)
     level = low + (rng.random(v.shape) < scaled - low)
     return norm, (np.sign(v) * level).astype(np.int8 if s <= 127 else np.int32)

@@ -111,6 +111,9 @@ class PowerOfChoice(Strategy):
         Filled in by fedsim.
     """
 
+    option_name = "power_of_choice"
+    draws_cohort = "the cohort by probing candidates' losses"  # fedsim.strategies.composition
+
     def __init__(
         self,
         strategy: Strategy,

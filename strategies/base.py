@@ -31,6 +31,12 @@ capability                    meaning
                               attackers (``fedsim.attacks``; metrics.jsonl field ``malicious``).
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
                               strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
+``releases``                  class attribute: what the strategy sends its clients and how it is computed
+                              from the replies (``fedsim.strategies.composition.Release``; default: a mean
+                              global model). DP refuses what its wrapper does not privatise.
+``needs_local``               class attribute: the local optimiser the server rule assumes (FedNova: sgd).
+``privatises``,               wrapper class attributes: what a DP wrapper clips and noises; that it draws the
+``draws_cohort``              cohort itself. ``composition.check`` derives every refusal from these.
 ============================  ===============================================================================
 """
 

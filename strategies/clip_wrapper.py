@@ -43,11 +43,13 @@ https://arxiv.org/abs/1905.03871).
 
 **Secrets.** The noise and the DP cohort are drawn from generators derived from ``noise_seed``, never from the
 run ``seed`` (every client receives the run seed in the client spec and could regenerate anything derived
-from it). ``noise_seed=None`` (the default) draws it from OS entropy (``np.random.SeedSequence()``); an
-operator may set it to reproduce a run. It stays on the server: the ``clipping`` config section is not part
-of the client spec. The seed in use is kept in ``state_dict`` (a resumed run draws the same noise and
-cohorts, bit-identical) and reported by ``summary_fields`` (``noise_seed`` in summary.json, which must then
-be kept as secret as the noise).
+from it). ``noise_seed=None`` (the default) draws it from OS entropy (``np.random.SeedSequence()``, 128 bits);
+an operator may set it to reproduce a run, but only to an integer of at least ``MIN_NOISE_SEED_BITS`` (64) bits:
+a short seed is found by trying them all (10^4 seeds take seconds) and with it every noise draw.
+``debug_noise_seed=True`` accepts a short one with a warning (tests, published reproductions: the noise is
+then not secret). It stays on the server: the ``clipping`` config section is not part of the client spec. The
+seed in use is kept in ``state_dict`` (a resumed run draws the same noise and cohorts, bit-identical) and in
+no summary, metric or log (``summary_fields`` says only where it came from).
 
 **Without noise** (``z = 0``) nothing is private: ``sample_cohort`` returns the loop's own uniform draw of
 ``m`` clients from the run seed (results are bit-identical to the loop's), the inner strategy keeps its own
@@ -69,7 +71,7 @@ from fedsim import keys
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
 from fedsim.grid_utils import first_line
-from fedsim.strategies import base
+from fedsim.strategies import base, composition
 from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.aggregate import (
     cast_like,
@@ -91,6 +93,9 @@ COHORT, UPDATE_NOISE, COUNT_NOISE = 1, 2, 3
 _PUBLIC_COHORT, _PUBLIC_NOISE, _PUBLIC_PURPOSE = 1, 5, {UPDATE_NOISE: 0, COUNT_NOISE: 1}
 _CLIENT_TOLERANCE = 1e-3  # a client-clipped update may exceed C by this relative margin (float32 rounding)
 _CLIENT_STATISTICS = (keys.CLIPPED, keys.UPDATE_NORM)  # exact per-client values; dropped in DP mode
+MIN_NOISE_SEED_BITS = (
+    64  # an operator-set noise seed must be at least this long (not found by trying them all)
+)
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -100,7 +105,15 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 class ClippingWrapper(Strategy):
-    """Shared machinery of ``FixedClipping`` and ``AdaptiveClipping`` (see the module docstring)."""
+    """Shared machinery of ``FixedClipping`` and ``AdaptiveClipping`` (see the module docstring).
+
+    Declares (``fedsim.strategies.composition``) that in DP mode it privatises a mean of the clipped updates:
+    a strategy that releases anything else is refused before any work.
+    """
+
+    # clip to C, fixed denominator m, noise std z C / m; a step-normalised strategy's updates divided by tau_i first
+    privatises = frozenset({composition.MEAN, composition.NORMALISED})
+    draws_cohort = "every cohort itself (DP's sampler is the one epsilon is accounted for)"
 
     def __init__(
         self,
@@ -118,6 +131,7 @@ class ClippingWrapper(Strategy):
         accountant: str = "rdp",
         noise_seed: int | None = None,
         debug_metrics: bool = False,
+        debug_noise_seed: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(strategy, Strategy):
@@ -150,6 +164,8 @@ class ClippingWrapper(Strategy):
         if not isinstance(debug_metrics, bool):
             raise ConfigError("debug_metrics", debug_metrics, "true or false")
         self.debug_metrics = debug_metrics
+        if not isinstance(debug_noise_seed, bool):
+            raise ConfigError("debug_noise_seed", debug_noise_seed, "true or false")
         if noise_seed is not None:
             noise_seed = integer("noise_seed", noise_seed, 0)
         self.strategy = strategy
@@ -164,6 +180,23 @@ class ClippingWrapper(Strategy):
                     "null or an integer other than the run's seed",
                     "Every client receives the run's seed, so noise drawn from it could be removed.",
                 )
+            if noise_seed is not None and noise_seed.bit_length() < MIN_NOISE_SEED_BITS:
+                if not debug_noise_seed:
+                    raise ConfigError(
+                        "noise_seed",
+                        noise_seed,
+                        f"null (128 bits of OS entropy) or a random integer of at least {MIN_NOISE_SEED_BITS} "
+                        "bits, e.g. python -c 'import secrets; print(secrets.randbits(128))'",
+                        "A short seed is found by trying them all, and with it the noise. "
+                        "clipping.debug_noise_seed=true accepts it for a test (the noise is then not secret).",
+                    )
+                log.warning(
+                    "clipping: debug_noise_seed=true: noise_seed has %d bits (< %d): anyone can find it by trying "
+                    "them all and remove the noise; the privacy guarantee does not hold for this run",
+                    noise_seed.bit_length(),
+                    MIN_NOISE_SEED_BITS,
+                )
+            self.noise_seed_source = "operator" if noise_seed is not None else "entropy"
             # server-only secret: set by the operator, else 128 bits of OS entropy
             self.noise_seed = int(noise_seed if noise_seed is not None else np.random.SeedSequence().entropy)
             self.accountant = RoundAccountant(
@@ -288,6 +321,7 @@ class ClippingWrapper(Strategy):
             raise RuntimeError(f"{type(self).__name__}.aggregate_train called before configure_train")
         c, m = self.clip_norm, self.clients_per_round
         floats = [k for k, a in self.current.items() if is_float(a)]
+        tau_pub = self._public_tau_eff()
         kept: list[tuple[Message, dict, dict]] = []
         bits: list[bool] = []  # True = not clipped (Andrew et al.'s b_k)
         unclipping_clients = 0
@@ -297,8 +331,12 @@ class ClippingWrapper(Strategy):
                 errors.append(msg)
                 continue
             arrays = reply_arrays(msg)
+            update = subtract({k: arrays[k] for k in floats}, self.current)
+            if tau_pub is not None:  # FedNova: clip the update per local step, (y_k - x) / tau_k
+                tau = max(float(reply_metrics(msg).get(keys.NUM_STEPS, 1)), 1.0)
+                update = {k: v / tau for k, v in update.items()}
             try:
-                clipped, norm, was_clipped = clip(subtract({k: arrays[k] for k in floats}, self.current), c)
+                clipped, norm, was_clipped = clip(update, c)
             except ValueError:
                 log.warning("round %d: dropped a reply whose update holds NaN or Inf", server_round)
                 continue
@@ -336,11 +374,16 @@ class ClippingWrapper(Strategy):
             rng = self._rng(server_round, UPDATE_NOISE)
             shift = {k: rng.normal(0.0, sigma, np.shape(self.current[k])) for k in floats}
         weight_key = base.weight_key(self.strategy)
+        gain = 1.0 if tau_pub is None else tau_pub  # FedNova: the public tau_eff times the noised mean
+        override = {weight_key: 1} if tau_pub is None else {weight_key: 1, keys.NUM_STEPS: float(tau_pub)}
         rebuilt = []
         for msg, arrays, clipped in kept:
-            new = {k: np.asarray(self.current[k], np.float64) + scale * clipped[k] + shift[k] for k in floats}
+            new = {
+                k: np.asarray(self.current[k], np.float64) + gain * (scale * clipped[k] + shift[k])
+                for k in floats
+            }
             new = cast_like({**arrays, **new}, arrays)
-            rebuilt.append(rebuild_reply(msg, new, {weight_key: 1} if self.dp else None))
+            rebuilt.append(rebuild_reply(msg, new, override if self.dp else None))
 
         out, metrics = self.strategy.aggregate_train(server_round, rebuilt)
         if out is None:
@@ -357,6 +400,16 @@ class ClippingWrapper(Strategy):
             report[keys.AGG_EPSILON] = self.epsilon()
         report.update(self._after_round(server_round, bits))
         return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
+
+    def _public_tau_eff(self) -> float | None:
+        """DP over a step-normalised strategy (FedNova): its public ``dp_tau_eff``; otherwise None."""
+        inner = base.unwrap(self.strategy)
+        if not self.dp or not any(r.kind == composition.NORMALISED for r in composition.releases(inner)):
+            return None
+        tau = getattr(inner, "dp_tau_eff", None)
+        if tau is None:  # fedsim's build refuses this before any work (composition.check)
+            raise RuntimeError(f"DP over {type(inner).__name__} needs a public dp_tau_eff")
+        return float(tau)
 
     def _after_round(self, server_round: int, unclipped: list[bool]) -> dict[str, float]:
         """Hook run after a released round with the not-clipped bits of its valid replies; its metrics."""
@@ -393,7 +446,7 @@ class ClippingWrapper(Strategy):
         self.strategy.summary()
 
     def summary_fields(self) -> dict[str, Any]:
-        """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency) and its seed.
+        """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency); not the seed.
 
         ``epsilon`` (also written as ``final_epsilon``) is the accountant's total, skipped rounds included.
         """
@@ -409,7 +462,9 @@ class ClippingWrapper(Strategy):
             "adjacency": ADJACENCY[self.sampling],
             "noise_multiplier": self.noise_multiplier,
             "rounds_accounted": self.rounds_accounted,
-            "noise_seed": self.noise_seed,
+            "noise_seed_source": getattr(
+                self, "noise_seed_source", "entropy"
+            ),  # the seed itself stays in checkpoint.pt only
             "debug_metrics": self.debug_metrics,
         }
 

@@ -51,14 +51,20 @@ class FixedClipping(ClippingWrapper):
     accountant : {"rdp", "pld"}
         dp-accounting's RDP or PLD accountant (PLD only with Poisson sampling).
     noise_seed : int or None
-        Server-only seed of the noise and of the DP cohorts; ``None``: drawn from OS entropy. Must differ
-        from ``seed``, which every client receives.
+        Server-only seed of the noise and of the DP cohorts; ``None``: drawn from OS entropy (128 bits).
+        Set, it must have at least 64 bits (a shorter one is found by trying them all) and differ from
+        ``seed``, which every client receives.
     debug_metrics : bool
         Also report exact per-round client statistics (clipped fraction, update norms) in DP mode. This
         breaks the privacy guarantee of metrics.jsonl; for debugging only.
+    debug_noise_seed : bool
+        Accept a ``noise_seed`` shorter than 64 bits, with a warning (tests, published reproductions); the
+        noise is then not secret and the guarantee does not hold.
     clipping_norm, num_sampled_clients : optional
         Flower's names (``DifferentialPrivacy*FixedClipping``) for ``clip_norm`` and ``clients_per_round``.
     """
+
+    option_name = "fixed"
 
     def __init__(
         self,
@@ -75,6 +81,7 @@ class FixedClipping(ClippingWrapper):
         accountant: str = "rdp",
         noise_seed: int | None = None,
         debug_metrics: bool = False,
+        debug_noise_seed: bool = False,
         clipping_norm: float | None = None,
         num_sampled_clients: int | None = None,
     ) -> None:
@@ -92,6 +99,7 @@ class FixedClipping(ClippingWrapper):
             accountant=accountant,
             noise_seed=noise_seed,
             debug_metrics=debug_metrics,
+            debug_noise_seed=debug_noise_seed,
         )
 
 
@@ -114,7 +122,7 @@ class AdaptiveClipping(ClippingWrapper):
     Parameters
     ----------
     strategy, num_clients, clients_per_round, side, noise_multiplier, delta, max_epsilon, seed, sampling, \
-    accountant, noise_seed, debug_metrics
+    accountant, noise_seed, debug_metrics, debug_noise_seed
         As for ``FixedClipping``.
     initial_clip_norm : float
         Starting ``C`` > 0 (paper: 0.1).
@@ -128,6 +136,8 @@ class AdaptiveClipping(ClippingWrapper):
         Flower's names (``DifferentialPrivacy*AdaptiveClipping``) for ``initial_clip_norm``, ``target_quantile``
         and ``clients_per_round``.
     """
+
+    option_name = "adaptive"
 
     def __init__(
         self,
@@ -147,6 +157,7 @@ class AdaptiveClipping(ClippingWrapper):
         accountant: str = "rdp",
         noise_seed: int | None = None,
         debug_metrics: bool = False,
+        debug_noise_seed: bool = False,
         initial_clipping_norm: float | None = None,
         target_clipped_quantile: float | None = None,
         num_sampled_clients: int | None = None,
@@ -175,6 +186,7 @@ class AdaptiveClipping(ClippingWrapper):
             accountant=accountant,
             noise_seed=noise_seed,
             debug_metrics=debug_metrics,
+            debug_noise_seed=debug_noise_seed,
         )
         self.target_quantile = number(
             "target_quantile", target_quantile, 0.0, 1.0, lo_open=True, hi_open=True

@@ -19,6 +19,7 @@ from flwr.serverapp import Grid
 from fedsim.algorithms.feddyn import ALPHA
 from fedsim.checks import integer, number
 from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.strategies.composition import COHORT_SCALED, Release
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import to_numpy, to_record
 
@@ -37,6 +38,9 @@ class FedDyn(FedAvg):
     """
 
     client_algorithm = "fedsim.algorithms.feddyn.FedDyn"
+    releases = (
+        Release("its global model (mean - h / alpha, h summing every reply's update)", COHORT_SCALED),
+    )
 
     def __init__(self, num_clients: int, alpha: float = 0.01, **kwargs) -> None:
         super().__init__(**kwargs)

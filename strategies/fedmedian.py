@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fedsim.strategies.aggregate import coordinate_median
+from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavg import FedAvg
 
 
@@ -21,6 +22,8 @@ class FedMedian(FedAvg):
     **kwargs
         Passed to ``FedAvg``.
     """
+
+    releases = (Release("its global model (a coordinate-wise median)", ROBUST),)
 
     def combine(
         self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]

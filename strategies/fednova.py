@@ -9,6 +9,15 @@ updates and rescales by the effective number of steps (vanilla local SGD: ``a_i 
     x <- x - server_lr * tau_eff * sum_i p_i (x - y_i) / tau_i
 
 With equal ``tau_i`` this is FedAvg. ``tau_i`` is the reply's ``num-steps``.
+
+**Under DP** (``clipping.noise_multiplier > 0``) the clipping wrapper privatises the normalised updates: it
+clips ``(y_i - x) / tau_i`` to ``C`` and releases, with uniform weights and ``xi ~ N(0, (z C / m)^2)``::
+
+    x + server_lr * dp_tau_eff * (sum_i clip((y_i - x) / tau_i) / m + xi)
+
+``dp_tau_eff`` is a public number of steps standing in for ``sum_i p_i tau_i`` (which depends on the clients'
+data). One client moves the noised mean by at most ``C / m``, so epsilon is DP-FedAvg's at the same ``z``.
+Without ``dp_tau_eff`` DP refuses FedNova.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import numpy as np
 from fedsim import keys
 from fedsim.checks import number
 from fedsim.strategies.aggregate import is_float
+from fedsim.strategies.composition import NORMALISED, Release
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import reply_metrics
 
@@ -27,9 +37,17 @@ from fedsim.strategies.records import reply_metrics
 class FedNova(FedAvg):
     """FedNova for local SGD (``a_i = tau_i``), weighted by example count, with a server learning rate."""
 
-    def __init__(self, server_lr: float = 1.0, **kwargs) -> None:
+    releases = (Release("its global model", NORMALISED),)
+    needs_local = "sgd"
+    needs_local_why = (
+        "plain SGD local steps (normaliser a_i = tau_i); Wang et al.'s normaliser for momentum or Adam "
+        "is not implemented"
+    )
+
+    def __init__(self, server_lr: float = 1.0, dp_tau_eff: float | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.server_lr = number("server_lr", server_lr, 0.0, lo_open=True)
+        self.dp_tau_eff = None if dp_tau_eff is None else number("dp_tau_eff", dp_tau_eff, 0.0, lo_open=True)
         self._steps: list[float] = []
         self.current: dict[str, np.ndarray] | None = None
 

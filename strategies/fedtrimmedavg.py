@@ -10,6 +10,7 @@ import numpy as np
 
 from fedsim.checks import integer, number
 from fedsim.strategies.aggregate import trimmed_mean
+from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavg import FedAvg
 
 log = logging.getLogger("fedsim")
@@ -27,6 +28,8 @@ class FedTrimmedAvg(FedAvg):
     **kwargs
         Passed to ``FedAvg``.
     """
+
+    releases = (Release("its global model (a coordinate-wise trimmed mean)", ROBUST),)
 
     def __init__(self, beta: float = 0.2, **kwargs: Any) -> None:
         self.beta = number("beta", beta, 0.0, 0.5, hi_open=True)

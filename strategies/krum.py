@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from fedsim.checks import integer
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
+from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.flower_names import alias
 from fedsim.strategies.records import to_record
@@ -43,6 +44,8 @@ class Krum(FedAvg):
     **kwargs
         Passed to ``FedAvg``.
     """
+
+    releases = (Release("its global model (the Krum-selected replies' mean)", ROBUST),)
 
     def __init__(
         self,

@@ -21,6 +21,7 @@ from fedsim import keys
 from fedsim.algorithms.scaffold import DELTA_C, SERVER_C
 from fedsim.checks import integer, number
 from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.strategies.composition import MEAN, RAW, Release
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import reply_arrays, to_numpy, to_record
 
@@ -39,6 +40,7 @@ class Scaffold(FedAvg):
     """
 
     client_algorithm = "fedsim.algorithms.scaffold.Scaffold"
+    releases = (Release("its global model", MEAN), Release("its control variate c", RAW))
 
     def __init__(self, num_clients: int, server_lr: float = 1.0, **kwargs) -> None:
         super().__init__(**kwargs)

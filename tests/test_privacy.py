@@ -51,6 +51,9 @@ def direct_epsilon(
     return acc.compose(dp_accounting.SelfComposedDpEvent(event, rounds)).get_epsilon(delta)
 
 
+LONG = 0x9E3779B97F4A7C15F39CC0605CEDC834  # a 128-bit base for the noise seeds these tests set (>= 64 bits)
+
+
 def cohort_sizes(noise_seed: int, n: int, m: int, rounds: int) -> list[int]:
     """The Poisson cohort sizes a DP run with this noise seed will draw (the wrapper is deterministic in it)."""
     s = FixedClipping(FedAvg(**flower_kwargs()), n, m, noise_multiplier=1.0, noise_seed=noise_seed)
@@ -58,8 +61,8 @@ def cohort_sizes(noise_seed: int, n: int, m: int, rounds: int) -> list[int]:
 
 
 def seed_where(pred, n: int, m: int, rounds: int) -> int:
-    """The first noise seed whose cohorts satisfy ``pred(sizes)``."""
-    return next(ns for ns in range(1, 1000) if pred(cohort_sizes(ns, n, m, rounds)))
+    """The first long noise seed ``LONG + k`` whose cohorts satisfy ``pred(sizes)``."""
+    return next(LONG + k for k in range(1000) if pred(cohort_sizes(LONG + k, n, m, rounds)))
 
 
 # ---------------------------------------------------------------- 1. sampling and accounting agree
@@ -92,7 +95,8 @@ def test_epsilon_per_round_equals_dp_accounting_for_the_sampler_that_ran(tmp_pat
     assert summary["final_epsilon"] == summary["epsilon"] == records[-1]["epsilon"]
     assert (summary["delta"], summary["accountant"], summary["sampling"]) == (1e-5, accountant, sampling)
     assert summary["adjacency"] == {"poisson": "add_or_remove_one", "fixed": "replace_one"}[sampling]
-    assert summary["noise_multiplier"] == 1.0 and summary["noise_seed"] == ns
+    assert summary["noise_multiplier"] == 1.0 and summary["noise_seed_source"] == "operator"
+    assert str(ns) not in (tmp_path / "metrics.jsonl").read_text()
 
 
 @pytest.mark.slow
@@ -176,16 +180,21 @@ class _Tap:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("noise_seed", [918273645, None])
+@pytest.mark.parametrize("noise_seed", [LONG + 918273645, None])
 def test_no_message_to_a_client_carries_the_noise_seed(tmp_path, monkeypatch, noise_seed):
     tap = _Tap(monkeypatch)
     extra = [] if noise_seed is None else [f"clipping.noise_seed={noise_seed}"]
     summary = run_tiny(  # 4 rounds: a drawn seed's Poisson cohorts (q = 0.5 of 6) are all empty 1 in 64^4
         tmp_path, "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client",
-        "federated_eval=true", "num_rounds=4", *extra,
+        "federated_eval=true", "num_rounds=4", "checkpoint_every=4", *extra,
     )  # fmt: skip
-    secret = str(summary["noise_seed"])
+    from fedsim.checkpoint import load
+
+    secret = str(load(tmp_path / "checkpoint.pt")["strategy_state"]["noise_seed"])
     assert noise_seed is None or secret == str(noise_seed)
+    assert "noise_seed" not in summary and summary["noise_seed_source"] == (
+        "entropy" if noise_seed is None else "operator"
+    )
     texts = tap.texts()
     assert any(keys.RUN_SPEC in t for t in texts) and any(keys.CLIP_NORM in t for t in texts)
     assert not [t for t in texts if secret in t or "noise_seed" in t]
@@ -202,7 +211,7 @@ def test_the_run_seed_no_longer_regenerates_the_noise(tmp_path, monkeypatch):
     """One round with noise far above the clipped updates: the model moves by the noise, which the old
     derivation from the run seed (sent to every client) does not reproduce and the server's noise seed does."""
     tap = _Tap(monkeypatch)
-    z, c, m, seed, noise_seed = 1e4, 1e-3, 6, 0, 4242
+    z, c, m, seed, noise_seed = 1e4, 1e-3, 6, 0, LONG + 4242
     run_tiny(
         tmp_path,
         "clipping=fixed",
@@ -270,11 +279,76 @@ def test_a_resumed_dp_run_keeps_its_drawn_noise_seed(tmp_path):
     over = ["clipping=adaptive", "clipping.noise_multiplier=0.5", "checkpoint_every=2"]
     # 4 rounds first: a drawn seed's Poisson cohorts (q = 0.5 of 6) are all empty 1 in 64^4 (the run fails)
     part = run_tiny(tmp_path / "part", *over, "num_rounds=4")
+    assert "noise_seed" not in part and part["noise_seed_source"] == "entropy"
+    from fedsim.checkpoint import load
+
+    drawn = load(tmp_path / "part" / "checkpoint.pt")["strategy_state"]["noise_seed"]
     resumed = run_tiny(tmp_path / "resumed", *over, "num_rounds=6", f"resume={tmp_path / 'part'}")
-    assert resumed["noise_seed"] == part["noise_seed"] and resumed["rounds_accounted"] == 6
-    run_tiny(tmp_path / "full", *over, "num_rounds=6", f"clipping.noise_seed={part['noise_seed']}")
+    assert load(tmp_path / "resumed" / "checkpoint.pt")["strategy_state"]["noise_seed"] == drawn
+    assert resumed["rounds_accounted"] == 6 and "noise_seed" not in resumed
+    run_tiny(tmp_path / "full", *over, "num_rounds=6", f"clipping.noise_seed={drawn}")
     assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
         read_metrics(tmp_path / "full")
     )
     a, b = torch.load(tmp_path / "resumed" / "model.pt"), torch.load(tmp_path / "full" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- 4. operator-set noise seeds and their export
+@pytest.mark.parametrize("noise_seed", [1, 4321, 2**63 - 1])
+def test_a_guessable_noise_seed_is_refused_in_one_line(noise_seed):
+    from fedsim.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_multiplier=1.0, noise_seed=noise_seed)
+    assert str(err.value).startswith(f"noise_seed={noise_seed} is not allowed") and "\n" not in str(err.value)
+    assert "64 bits" in str(err.value) and "debug_noise_seed" in str(err.value)
+
+
+def test_a_64_bit_noise_seed_runs_and_debug_noise_seed_accepts_a_short_one_with_a_warning(caplog):
+    kw = {"noise_multiplier": 1.0}
+    FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=2**63, **kw)  # 64 bits: accepted quietly
+    assert "debug_noise_seed" not in caplog.text
+    s = FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=1, debug_noise_seed=True, **kw)
+    assert s.noise_seed == 1 and "debug_noise_seed=true" in caplog.text and "does not hold" in caplog.text
+    FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=1)  # without noise there is nothing to guess
+
+
+def test_no_logger_or_callback_receives_the_noise_seed():
+    from fedsim.callbacks import Callback, Callbacks, flat_config
+
+    secret = LONG + 7
+    config = {"seed": 0, "clipping": {"noise_seed": secret, "noise_multiplier": 1.0}}
+    summary = {"epsilon": 1.0, "noise_seed": secret, "config": config}
+    seen = []
+
+    class Spy(Callback):
+        def on_run_start(self, out_dir, config, records):
+            seen.append(config)
+
+        def on_run_end(self, summary):
+            seen.append(summary)
+
+    cbs = Callbacks([Spy()])
+    cbs.start(None, config, [])
+    cbs.end(summary)
+    assert seen and not [s for s in seen if str(secret) in repr(s)]
+    assert seen[0]["clipping"] == {"noise_multiplier": 1.0} and seen[1]["epsilon"] == 1.0
+    assert "clipping.noise_seed" not in flat_config(config)  # mlflow params, tensorboard hparams
+    assert config["clipping"]["noise_seed"] == secret  # the caller's dict is left untouched
+
+
+@pytest.mark.slow
+def test_an_mlflow_run_with_an_operator_seed_holds_neither_the_seed_nor_its_key(tmp_path):
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    from mlflow.tracking import MlflowClient
+
+    secret = seed_where(lambda s: min(s) >= 1, 6, 3, 2)
+    run_tiny(tmp_path, *DP, f"clipping.noise_seed={secret}", "logger=mlflow", "checkpoint_every=2")
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
+    assert run.data.params["clipping.noise_multiplier"] == "1.0"  # the config was logged ...
+    assert "clipping.noise_seed" not in run.data.params  # ... without the seed
+    assert str(secret).encode() not in (tmp_path / "mlflow.db").read_bytes()
+    assert "noise_seed" not in json.loads((tmp_path / "summary.json").read_text())

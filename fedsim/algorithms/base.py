@@ -73,6 +73,12 @@ class ClientAlgorithm:
     ----------
     stateful : bool
         The client keeps ``run.state`` between its tasks (per-client state, see ``fedsim.algorithms.state``).
+    sends : tuple of (str, str)
+        What it sends back besides its model, as ``(what, kind)`` with a kind of
+        ``fedsim.strategies.composition.KINDS`` (SCAFFOLD: ``("its control-variate delta dc_i", "raw")``);
+        DP refuses what its wrapper does not privatise.
+    keeps : str or None
+        What per-client state never leaves the client (named in the README's privacy table).
     batched : bool
         The vectorized engine may train it as one batched model (only plain local SGD with FedProx's term,
         which it implements itself); otherwise its clients run through the ClientApp.
@@ -80,6 +86,8 @@ class ClientAlgorithm:
 
     stateful = False
     batched = False
+    sends: tuple[tuple[str, str], ...] = ()
+    keeps: str | None = None
 
     def __init__(self, local: LocalTraining) -> None:
         self.local = local

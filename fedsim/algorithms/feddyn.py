@@ -22,6 +22,7 @@ class FedDyn(ClientAlgorithm):
 
     stateful = True
     strategy = "fedsim.strategies.feddyn.FedDyn"
+    keeps = "its gradient correction g_k"
 
     def before_training(self, run: LocalRun) -> None:
         super().before_training(run)

@@ -35,6 +35,7 @@ class Ditto(ClientAlgorithm):
 
     stateful = True
     strategy = "fedsim.strategies.personal.Ditto"
+    keeps = "its personal model"
 
     def after_training(self, run: LocalRun) -> None:
         super().after_training(run)
@@ -78,6 +79,7 @@ class FedPer(ClientAlgorithm):
 
     stateful = True
     strategy = "fedsim.strategies.personal.FedPer"
+    keeps = "its personal layers"
 
     def _names(self, run: LocalRun) -> list[str]:
         prefixes = [p for p in str(run.instruction.unhandled.get(FEDPER_LAYERS, "")).split(",") if p]

@@ -29,6 +29,8 @@ class Scaffold(ClientAlgorithm):
 
     stateful = True
     strategy = "fedsim.strategies.scaffold.Scaffold"
+    sends = (("its control-variate delta dc_i", "raw"),)  # unclipped (fedsim.strategies.composition)
+    keeps = "its control variate c_i"
 
     def before_training(self, run: LocalRun) -> None:
         super().before_training(run)
