@@ -67,7 +67,11 @@ def _get(tree: dict, dotted: str):
 # Small enough for two rounds in a second or two, whatever the experiment's full setting.
 SMALL = {
     "fedprox_synthetic": ["client.local_epochs=2"],
-    "dp_fedavg": ["clipping.noise_multiplier=1.0", "clipping.noise_seed=1"],  # Poisson cohorts of 4 and 2
+    "dp_fedavg": [
+        "clipping.noise_multiplier=1.0",
+        "clipping.noise_seed=1",
+        "clipping.debug_noise_seed=true",
+    ],  # cohorts 4, 2
 }
 
 

@@ -159,13 +159,15 @@ def test_sweep_summary_has_a_column_per_swept_key_and_curves_named_by_their_valu
         _fake_job(
             tmp_path,
             i,
-            [f"strategy={strategy}", f"client.lr={lr}", "num_rounds=2"],
+            [f"strategy={strategy}", f"client.lr={lr}", "num_rounds=2", "clipping.noise_seed=98765432109876"],
             [0.1, 0.5, 0.7 + i / 100],
         )
     rows = write_summary(tmp_path)
     table = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
     assert list(table[0])[:4] == ["job", "strategy", "client.lr", "overrides"]  # num_rounds is not swept
     assert [(r["strategy"], r["client.lr"]) for r in table] == grid
+    text = (tmp_path / "sweep_summary.csv").read_text()  # a DP run's noise seed is never shown
+    assert "98765432109876" not in text and "clipping.noise_seed=<secret>" in table[0]["overrides"]
     assert len(rows) == 4 and (tmp_path / "sweep.png").stat().st_size > 0
     from fedsim.sweep import plot_sweep, swept_keys
 
