@@ -36,6 +36,7 @@ VARIANTS = {
     "ray": ["engine=ray"],
     "flower": None,
     "torch": None,
+    "batched": None,  # the hand-batched torch limit (batched_fedavg)
 }
 
 
@@ -195,6 +196,134 @@ def plain_fedavg(
     }
 
 
+def batched_fedavg(
+    ds,
+    parts,
+    factory,
+    *,
+    seed: int,
+    per_round: int,
+    rounds: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    device: str = "cpu",
+    chunk: int = 0,
+) -> dict:
+    """The hand-batched torch limit: :func:`plain_fedavg`'s SGD steps with the whole cohort as one batched model.
+
+    Each round: the cohort's seeded batch orders as one ``(steps, clients, batch)`` gather index (a client that
+    has finished gets zero loss weight: no change under plain SGD), the start model expanded to
+    ``(clients, *shape)``, every step one forward and one ``autograd.grad`` of the cohort's summed per-client
+    mean losses (MLPs as ``baddbmm`` per linear layer; Sequential conv nets as grouped convolutions,
+    ``fedsim.engines.grouped``, ``chunk`` clients at a time), the SGD update in place, the example-weighted
+    mean in float64 (as fedsim's FedAvg) and the evaluation of the global model. What a researcher writes by
+    hand for the fastest round torch gives on this hardware; no framework around it.
+    """
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from fedsim.engines import grouped
+    from fedsim.models import build_model
+
+    def sample_cohort(rnd: int) -> list[int]:
+        return sorted(
+            int(p) for p in np.random.default_rng([seed, 1, rnd]).choice(len(parts), per_round, False)
+        )
+
+    torch.set_num_threads(1)
+    model = build_model(factory, ds.input_shape, ds.num_classes, seed=seed).to(device)
+    names = [n for n, _ in model.named_parameters()]
+    if grouped.supports(model):
+        conv = grouped.grouped_forward(model)
+        forward = conv
+    else:
+        linears = [n for n, m in model.named_children() if isinstance(m, nn.Linear)]
+
+        def forward(p, xb):  # (k, batch, *input) -> (k, batch, classes)
+            h = xb.flatten(2)
+            for j, n in enumerate(linears):
+                h = torch.baddbmm(p[f"{n}.bias"].unsqueeze(1), h, p[f"{n}.weight"].transpose(1, 2))
+                if j < len(linears) - 1:
+                    h = torch.relu(h)
+            return h
+
+    xt, yt = torch.as_tensor(ds.x_test, device=device), torch.as_tensor(ds.y_test, device=device)
+    glob = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cache: dict[int, tuple] = {}
+    slots: dict[int, tuple] = {}
+    times, acc, start = [], None, time.time()
+    for rnd in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        cohort = sample_cohort(rnd)
+        for pid in cohort:
+            if pid not in cache:
+                cache[pid] = (
+                    torch.as_tensor(ds.x_train[parts[pid]], device=device),
+                    torch.as_tensor(ds.y_train[parts[pid]], device=device),
+                )
+        sizes = [len(cache[p][1]) for p in cohort]
+        x = torch.cat([cache[p][0] for p in cohort])
+        y = torch.cat([cache[p][1] for p in cohort])
+        k, offsets = len(cohort), np.cumsum([0, *sizes])
+        bss = [n if batch_size <= 0 else min(batch_size, n) for n in sizes]
+        steps = max(epochs * -(-n // b) for n, b in zip(sizes, bss))
+        width = max(bss)
+        gather = torch.zeros(steps, k, width, dtype=torch.long)
+        weight = torch.zeros(steps, k, width, dtype=x.dtype)
+        for i, (pid, n, b) in enumerate(zip(cohort, sizes, bss)):
+            if n not in slots:  # step and slot of every position of `epochs` passes, and its weight
+                per_pass = -(-n // b)
+                j = torch.arange(n)
+                lens = torch.tensor([min(b, n - s) for s in range(0, n, b)])
+                ts = torch.cat([e * per_pass + j // b for e in range(epochs)])
+                ss = (j % b).repeat(epochs)
+                slots[n] = (ts, ss, (1.0 / lens.to(x.dtype))[j // b].repeat(epochs))
+            ts, ss, ws = slots[n]
+            gen = torch.Generator().manual_seed(
+                int(np.random.SeedSequence([seed, 3, rnd, pid]).generate_state(1)[0])
+            )
+            order = torch.cat([torch.randperm(n, generator=gen) for _ in range(epochs)])
+            gather[ts, i, ss] = order + int(offsets[i])
+            weight[ts, i, ss] = ws
+        gather, weight = gather.to(device), weight.to(device)
+        params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
+        step_k = chunk or k
+        for c0 in range(0, k, step_k):
+            sl = slice(c0, c0 + step_k)
+            for t in range(steps):
+                idx = gather[t, sl]
+                leaves = {n: params[n][sl].detach().requires_grad_() for n in names}
+                out = forward(leaves, x[idx])
+                kk = idx.shape[0]
+                losses = F.cross_entropy(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(
+                    kk, width
+                )
+                grads = torch.autograd.grad((losses * weight[t, sl]).sum(), [leaves[n] for n in names])
+                with torch.no_grad():
+                    for n, g in zip(names, grads):
+                        params[n][sl].sub_(g, alpha=lr)
+        w64 = torch.tensor(sizes, dtype=torch.float64, device=device) / sum(sizes)
+        glob = {n: torch.tensordot(w64, params[n].double(), dims=1).to(params[n].dtype) for n in names}
+        model.load_state_dict(glob)
+        with torch.no_grad():
+            acc = sum(
+                int((model(xt[s : s + 1024]).argmax(1) == yt[s : s + 1024]).sum())
+                for s in range(0, len(yt), 1024)
+            ) / len(yt)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {
+        "rounds": times,
+        "accuracy": acc,
+        "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
+        "window": [start, time.time()],
+    }
+
+
 def skip_noop_numerics() -> None:
     """Proposal P7 (bench/NOTES.md), applied by monkeypatching: ``fedsim.build.set_numerics`` calls
     ``torch.use_deterministic_algorithms`` only when the setting changes; the call imports ``torch._inductor``
@@ -225,7 +354,7 @@ def child(variant: str, rounds: int) -> dict:
 
         va.ROUNDS = rounds
         return flower_child(va.make_server_app, va.client_app, va.NUM_CLIENTS)
-    if variant == "torch":
+    if variant in ("torch", "batched"):
         import numpy as np
 
         from fedsim.data.digits import load_digits
@@ -235,9 +364,8 @@ def child(variant: str, rounds: int) -> dict:
         ds = load_digits(seed=0)
         parts = dirichlet(ds.y_train, 20, np.random.default_rng([0, 7]), alpha=0.5)
         parts = [split_train_val(p, 0.1, np.random.default_rng([0, 8, i]))[0] for i, p in enumerate(parts)]
-        return plain_fedavg(
-            ds, parts, mlp, seed=0, per_round=10, rounds=rounds, epochs=2, batch_size=16, lr=0.1
-        )
+        loop = plain_fedavg if variant == "torch" else batched_fedavg
+        return loop(ds, parts, mlp, seed=0, per_round=10, rounds=rounds, epochs=2, batch_size=16, lr=0.1)
     raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
 
 

@@ -25,6 +25,7 @@ from fedsim.clock import Heterogeneity
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.groups import EngineSettings, Placement, typed
+from fedsim.messages import global_state
 from fedsim.state import LoopConfig
 from fedsim.strategies import base
 from fedsim.tasks import CLASSIFICATION, Task
@@ -225,7 +226,8 @@ def make_evaluator(
     xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
 
     def evaluate_fn(arrays: ArrayRecord) -> tuple[float, float]:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        # parsed once per record: the next round's clients get the same record (local engines)
+        model.load_state_dict(global_state(arrays))
         return evaluate(model, xt, yt, task=task)
 
     return evaluate_fn

@@ -29,6 +29,7 @@ than per client. If batched training raises, its clients are rerun sequentially.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -43,9 +44,9 @@ from torch.func import functional_call, vmap
 
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
-from fedsim.engines import grouped
+from fedsim.engines import dense, grouped
 from fedsim.engines.pool import PoolGrid
-from fedsim.messages import parse_train, train_reply
+from fedsim.messages import global_state, parse_train, train_reply
 from fedsim.tasks import CLASSIFICATION
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 
@@ -217,11 +218,13 @@ class VectorizedGrid(PoolGrid):
         if reason is not None:
             self._skip(reason)
             return None
-        if id(arrays) not in starts:
-            starts[id(arrays)] = (arrays, arrays.to_torch_state_dict())
-        start = starts[id(arrays)][1]
-        shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
-        if {n: tuple(t.shape) for n, t in start.items()} != shapes:
+        if id(arrays) not in starts:  # parsed once per record (shared with the server's evaluation)
+            starts[id(arrays)] = (arrays, global_state(arrays), {})
+        _, start, fits = starts[id(arrays)]
+        if id(task.model) not in fits:
+            shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
+            fits[id(task.model)] = {n: tuple(t.shape) for n, t in start.items()} == shapes
+        if not fits[id(task.model)]:
             return None  # the ClientApp's strict load reports the mismatch
         batches = schedule(
             int(task.x_train.shape[0]), task.local, ins.generator(task.seed, task.partition_id), ins.max_steps
@@ -352,6 +355,65 @@ def estimate_bytes(
     return copies * param_bytes + 2 * width * per_example
 
 
+_DENSE: dict[tuple, dense.DenseStep | None] = {}  # (model id, task) -> the model's hand-written batched step
+
+
+def _dense_step(model: nn.Module, task) -> dense.DenseStep | None:
+    """The hand-written batched step of an MLP (``fedsim.engines.dense``), or None for other models."""
+    key = (id(model), task)
+    if key not in _DENSE:
+        _DENSE[key] = dense.DenseStep(model, task) if dense.supports(model) else None
+    return _DENSE[key]
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots(lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step index, slot in the batch and loss weight of every example of a client whose steps have ``lens``."""
+    counts = torch.tensor(lens)
+    step = torch.repeat_interleave(torch.arange(len(lens)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+    return step, slot, torch.repeat_interleave(1.0 / counts.double(), counts)
+
+
+def cohort_batches(
+    members: list[_Client], steps: int, width: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cohort's data in one tensor, and the gather index and loss weight of every (step, client, slot):
+    ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``."""
+    offsets = np.cumsum([0] + [int(c.task.x_train.shape[0]) for c in members])
+    x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
+    y = torch.cat([c.task.y_train for c in members])
+    t_all, i_all, s_all, v_all, w_all = [], [], [], [], []
+    for i, c in enumerate(members):
+        step, slot, w = _slots(tuple(len(b) for b in c.batches))
+        t_all.append(step)
+        s_all.append(slot)
+        w_all.append(w)
+        i_all.append(torch.full_like(step, i))
+        v_all.append(torch.cat(c.batches).cpu() + int(offsets[i]))
+    where = (torch.cat(t_all), torch.cat(i_all), torch.cat(s_all))
+    gather = torch.zeros(steps, len(members), width, dtype=torch.long).index_put_(where, torch.cat(v_all))
+    weight = torch.zeros(steps, len(members), width, dtype=x.dtype).index_put_(
+        where, torch.cat(w_all).to(x.dtype)
+    )
+    return x, y, gather.to(device), weight.to(device)
+
+
+def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict[str, torch.Tensor]:
+    """The clients' start parameters as ``(clients, *shape)`` tensors on ``device`` (one copy of a start
+    model the whole cohort shares, expanded)."""
+    k = len(members)
+    first = members[0].start
+    if all(c.start is first for c in members):
+        out = {}
+        for n in names:
+            p = first[n].to(device)
+            out[n] = p.unsqueeze(0).expand(k, *p.shape).clone()
+        return out
+    return {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}
+
+
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> dict[str, Message]:
     """Batched local training of clients sorted by step count (descending); replies keyed by message id."""
     model = members[0].task.model
@@ -360,36 +422,33 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
     k_all, steps = len(members), len(members[0].batches)
     width = max(len(b) for c in members for b in c.batches)
     active = [sum(len(c.batches) > t for c in members) for t in range(steps)]
-    # the cohort's data in one tensor; gather index and loss weight of every (step, client, slot)
-    offsets = np.cumsum([0] + [int(c.task.x_train.shape[0]) for c in members])
-    x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
-    y = torch.cat([c.task.y_train for c in members])
-    gather = torch.zeros(steps, k_all, width, dtype=torch.long)
-    weight = torch.zeros(steps, k_all, width, dtype=x.dtype)
-    for i, c in enumerate(members):
-        for t, idx in enumerate(c.batches):
-            gather[t, i, : len(idx)] = idx + int(offsets[i])
-            weight[t, i, : len(idx)] = 1.0 / len(idx)
-    gather, weight = gather.to(device), weight.to(device)
-    params = {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}  # (clients, *shape)
+    x, y, gather, weight = cohort_batches(members, steps, width, device)
+    params = _stack_starts(members, names, device)  # (clients, *shape)
     anchor = {n: p.clone() for n, p in params.items()} if mu > 0 else None
     bufs: dict[str, torch.Tensor] = {}
     use_momentum = local.optimizer in ("momentum", "nesterov")
     loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
-    forward = (
-        grouped.grouped_forward(model)
-        if torch.device(device).type == "cpu" and grouped.supports(model)
-        else vmap(lambda p, xb: functional_call(model, p, (xb,)))
-    )
+    step = _dense_step(model, learnt)
+    forward = None
+    if step is None:
+        forward = (
+            grouped.grouped_forward(model)
+            if torch.device(device).type == "cpu" and grouped.supports(model)
+            else vmap(lambda p, xb: functional_call(model, p, (xb,)))
+        )
     model.train()
     for t in range(steps):
         k = active[t]
         idx = gather[t, :k]  # (k, width)
-        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
-        out = forward(leaves, x[idx])  # (k, width, classes)
-        losses = learnt.loss(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(k, width)
-        per_client = (losses * weight[t, :k]).sum(1)  # (k,) each client's mean batch loss
-        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
+        if step is not None:  # an MLP on cross-entropy: the hand-written batched step
+            per_client, by_name = step({n: params[n][:k] for n in names}, x[idx], y[idx], weight[t, :k])
+            grads = [by_name[n] for n in names]
+        else:
+            leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
+            out = forward(leaves, x[idx])  # (k, width, classes)
+            losses = learnt.loss(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(k, width)
+            per_client = (losses * weight[t, :k]).sum(1)  # (k,) each client's mean batch loss
+            grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
         with torch.no_grad():
             loss_sum[:k] += per_client.double()
             for n, g in zip(names, grads):
@@ -410,12 +469,12 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
                     )
                 p.add_(g, alpha=-local.lr)
     losses = loss_sum.cpu().tolist()
+    final = {n: params[n].detach().cpu() for n in names}  # one copy off the device for the whole cohort
     replies = {}
     for i, c in enumerate(members):
-        state = {n: params[n][i].detach().cpu() for n in names}
         replies[c.msg.metadata.message_id] = train_reply(
             c.msg,
-            state,
+            {n: final[n][i] for n in names},
             num_examples=int(c.task.x_train.shape[0]),
             loss=losses[i] / len(c.batches),
             partition_id=c.task.partition_id,
