@@ -209,6 +209,8 @@ def batched_fedavg(
     lr: float,
     device: str = "cpu",
     chunk: int = 0,
+    forward_kind: str = "auto",
+    graph: bool = False,
 ) -> dict:
     """The hand-batched torch limit: :func:`plain_fedavg`'s SGD steps with the whole cohort as one batched model.
 
@@ -219,6 +221,10 @@ def batched_fedavg(
     ``fedsim.engines.grouped``, ``chunk`` clients at a time), the SGD update in place, the example-weighted
     mean in float64 (as fedsim's FedAvg) and the evaluation of the global model. What a researcher writes by
     hand for the fastest round torch gives on this hardware; no framework around it.
+
+    ``forward_kind="vmap"``: ``vmap(functional_call(model))`` instead (the GPU's eager limit). ``graph=True``
+    (CUDA): one step captured as a CUDA graph on static buffers (every step has the same shapes: all clients,
+    the widest batch, zero weights where a client has no example) and replayed for every step of every round.
     """
     import numpy as np
     import torch
@@ -236,9 +242,12 @@ def batched_fedavg(
     torch.set_num_threads(1)
     model = build_model(factory, ds.input_shape, ds.num_classes, seed=seed).to(device)
     names = [n for n, _ in model.named_parameters()]
-    if grouped.supports(model):
-        conv = grouped.grouped_forward(model)
-        forward = conv
+    if forward_kind == "vmap":
+        from torch.func import functional_call, vmap
+
+        forward = vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    elif grouped.supports(model):
+        forward = grouped.grouped_forward(model)
     else:
         linears = [n for n, m in model.named_children() if isinstance(m, nn.Linear)]
 
@@ -254,6 +263,7 @@ def batched_fedavg(
     glob = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cache: dict[int, tuple] = {}
     slots: dict[int, tuple] = {}
+    graphs: dict[tuple, _StepGraph] = {}
     times, acc, start = [], None, time.time()
     for rnd in range(1, rounds + 1):
         t0 = time.perf_counter()
@@ -289,7 +299,15 @@ def batched_fedavg(
             gather[ts, i, ss] = order + int(offsets[i])
             weight[ts, i, ss] = ws
         gather, weight = gather.to(device), weight.to(device)
-        params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
+        if graph:
+            replay = graphs.get((k, width))
+            if replay is None:
+                replay = graphs[k, width] = _StepGraph(forward, names, glob, k, x, width, lr, device)
+            replay.run(glob, x, y, gather, weight)
+            params = replay.params
+            steps = 0  # done by the graph
+        else:
+            params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
         step_k = chunk or k
         for c0 in range(0, k, step_k):
             sl = slice(c0, c0 + step_k)
@@ -322,6 +340,53 @@ def batched_fedavg(
         "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
         "window": [start, time.time()],
     }
+
+
+class _StepGraph:
+    """One SGD step of ``k`` stacked clients captured as a CUDA graph (``batched_fedavg(graph=True)``)."""
+
+    def __init__(self, forward, names, glob, k, x, width, lr, device) -> None:
+        import torch
+        from torch.nn import functional as F
+
+        self.params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
+        self.x = torch.zeros(
+            (2 * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=device
+        )  # room for uneven cohorts
+        self.y = torch.zeros(2 * x.shape[0], dtype=torch.long, device=device)
+        self.idx = torch.zeros(k, width, dtype=torch.long, device=device)
+        self.w = torch.zeros(k, width, dtype=x.dtype, device=device)
+
+        def step():
+            leaves = {n: self.params[n].detach().requires_grad_() for n in names}
+            out = forward(leaves, self.x[self.idx])
+            losses = F.cross_entropy(out.flatten(0, 1), self.y[self.idx].flatten(), reduction="none")
+            grads = torch.autograd.grad((losses.view(k, width) * self.w).sum(), [leaves[n] for n in names])
+            with torch.no_grad():
+                for n, g in zip(names, grads):
+                    self.params[n].sub_(g, alpha=lr)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up (zero weights: the parameters do not move)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step()
+
+    def run(self, glob, x, y, gather, weight) -> None:
+        if x.shape[0] > self.x.shape[0]:
+            raise ValueError("cohort larger than the captured buffers")
+        for n, p in self.params.items():
+            p.copy_(glob[n].unsqueeze(0).expand_as(p))
+        self.x[: x.shape[0]].copy_(x)
+        self.y[: y.shape[0]].copy_(y)
+        for t in range(gather.shape[0]):
+            self.idx.copy_(gather[t])
+            self.w.copy_(weight[t])
+            self.graph.replay()
 
 
 def skip_noop_numerics() -> None:

@@ -38,6 +38,24 @@ CIFAR = ["dataset=synthetic_images", "dataset.shape=[3,32,32]", "model=cnn", "pa
 MLP = ["num_clients=20", "clients_per_round=10", "num_rounds=3"]
 CNN_AGREE = [*CIFAR, "num_clients=20", "clients_per_round=10", "num_rounds=2", "client.local_steps=3"]
 CNN_TIME = [*CIFAR, "num_clients=1000", "clients_per_round=100", "num_rounds=6", "dataset.num_train=50000"]
+WORKLOADS = {  # the timing workloads of the speed targets (issue: small, 1,000 clients a round, realistic)
+    "small": CNN_TIME,  # 45 examples a client, batch 16, 2 epochs = 6 steps
+    "k1000": [
+        *CIFAR,
+        "num_clients=1000",
+        "clients_per_round=1000",
+        "num_rounds=3",
+        "dataset.num_train=50000",
+    ],
+    "real": [  # 450 examples a client, 5 epochs = 145 steps
+        *CIFAR,
+        "num_clients=100",
+        "clients_per_round=100",
+        "num_rounds=3",
+        "dataset.num_train=50000",
+        "client.local_epochs=5",
+    ],
+}
 SMALL = {  # --dry-run: the same checks, CPU-sized
     "agree-mlp": ["num_rounds=2"],
     "agree-cnn": ["num_clients=6", "clients_per_round=3", "dataset.num_train=600", "dataset.num_test=100"],
@@ -185,16 +203,40 @@ def child_placement(device: str, small: bool) -> dict:
     }
 
 
-def child_time(variant: str, device: str, small: bool) -> dict:
-    """One timing run of the CIFAR-size CNN (fedsim engine or plain torch)."""
+def child_time(variant: str, device: str, small: bool, workload: str = "small") -> dict:
+    """One timing run of the CIFAR-size CNN: a fedsim engine, plain torch, or the batched limits
+    (``limit-eager``: the cohort's steps as one ``vmap(functional_call)`` loop, data on the device;
+    ``limit-graph``: the same step captured once as a CUDA graph and replayed)."""
     import torch
 
     over = [
-        *CNN_TIME,
+        *WORKLOADS[workload],
         *(SMALL["time"] if small else []),
         f"placement.device={device}",
         f"placement.server_device={device}",
     ]
+    if variant.startswith("limit"):
+        from fedsim import build
+        from fedsim.config import compose
+
+        cfg = compose(*over)
+        spec = json.loads(build.client_spec(cfg, device=device))
+        local = build.local_training(spec)
+        ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+        return bench.batched_fedavg(
+            ds,
+            train,
+            build.model_factory(spec),
+            seed=int(cfg.seed),
+            per_round=int(cfg.clients_per_round),
+            rounds=int(cfg.num_rounds),
+            epochs=local.local_epochs,
+            batch_size=local.batch_size,
+            lr=local.lr,
+            device=device,
+            forward_kind="vmap",
+            graph=variant == "limit-graph" and device != "cpu",
+        )
     if variant == "torch":
         from fedsim import build
         from fedsim.config import compose
@@ -292,6 +334,13 @@ CHECKS = [  # (name, child args, section)
     ("time-inprocess", ["time", "inprocess"], "timing"),
     ("time-vectorized", ["time", "vectorized"], "timing"),
     ("time-torch", ["time", "torch"], "timing"),
+    ("time-limit-eager", ["time", "limit-eager"], "timing"),
+    ("time-limit-graph", ["time", "limit-graph"], "timing"),
+    ("k1000-vectorized", ["time", "vectorized", "k1000"], "targets"),
+    ("k1000-limit-eager", ["time", "limit-eager", "k1000"], "targets"),
+    ("real-vectorized", ["time", "vectorized", "real"], "targets"),
+    ("real-limit-eager", ["time", "limit-eager", "real"], "targets"),
+    ("real-limit-graph", ["time", "limit-graph", "real"], "targets"),
 ]
 
 
@@ -301,7 +350,7 @@ def child(args: list[str], device: str, small: bool) -> dict:
         return child_agree(args[1], device, args[2] == "1", small)
     if kind == "placement":
         return child_placement(device, small)
-    return child_time(args[1], device, small)
+    return child_time(args[1], device, small, args[2] if len(args) > 2 else "small")
 
 
 def main() -> None:
@@ -311,6 +360,9 @@ def main() -> None:
     ap.add_argument("--child", nargs="+")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument(
+        "--budget", type=float, default=BUDGET_S, help="stop starting checks after this many seconds"
+    )
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.device, args.small)))
@@ -332,7 +384,7 @@ def main() -> None:
     for name, child_args, section in CHECKS:
         if args.only and name not in args.only.split(","):
             continue
-        left = BUDGET_S - (time.perf_counter() - t0)
+        left = args.budget - (time.perf_counter() - t0)
         if left < 20:
             results[name] = {"error": "skipped: time budget spent"}
             continue
@@ -376,7 +428,7 @@ def main() -> None:
                 f"  injected OOM: batch sizes tried {r['oom_batch_sizes']}, same model as without: "
                 f"{r['oom_same_model']} ({'OK' if ok else 'MISMATCH'})"
             )
-    timing = {n: results[n] for n in ("time-inprocess", "time-vectorized", "time-torch") if n in results}
+    timing = {n: results[n] for n, _, sec in CHECKS if sec in ("timing", "targets") and n in results}
     if timing:
         print(
             "\n3. timing: CIFAR-size CNN (3x32x32), 100 clients per round"
@@ -396,16 +448,47 @@ def main() -> None:
             per = _median(r.get("rounds"))
             ratio = base_round / per if base_round and per else None
             busy = r.get("busy")
-            batched = f"{r['batched']}/{r['trained']}" if name == "time-vectorized" else "-"
+            batched = f"{r['batched']}/{r['trained']}" if "batched" in r else "-"
             print(
                 f"  {name:<18}{_fmt(per, '9.3f')}{_fmt(ratio, '11.2f')}{_fmt(busy, '9.0%')}"
                 f"{_fmt(r.get('busy_rounds'), '10.0%')}"
                 f"{_fmt(r.get('peak_mb'), '12.0f')}{batched:>10}  {r.get('proc_mb') or '-'}"
             )
+    lines, missed = targets(results)
+    if lines:
+        print("\n4. speed targets (fedsim's round against the batched limits measured above, same run)")
+        print("\n".join(lines))
     print(
         f"\ntotal {time.perf_counter() - t0:.0f} s; {'all checks passed' if not failed else f'{failed} check(s) failed'}"
     )
     sys.exit(1 if failed else 0)
+
+
+TARGETS = [  # (what, fedsim's check, the limit's check, most fedsim/limit, least GPU busy in fedsim's rounds)
+    ("100 clients, 6 steps: fedsim / eager vmap limit", "time-vectorized", "time-limit-eager", 1.5, 0.5),
+    ("1,000 clients, 6 steps: fedsim / eager vmap limit", "k1000-vectorized", "k1000-limit-eager", 1.3, 0.5),
+    ("100 clients, 145 steps: fedsim / CUDA-graph limit", "real-vectorized", "real-limit-graph", 1.5, 0.7),
+    ("100 clients, 6 steps: eager limit / graph limit", "time-limit-eager", "time-limit-graph", None, None),
+    ("100 clients, 145 steps: eager limit / graph limit", "real-limit-eager", "real-limit-graph", None, None),
+]
+
+
+def targets(results: dict) -> tuple[list[str], int]:
+    """One line per speed target: the ratio of round times (median of rounds 2..R), GPU busy, met or not."""
+    lines, missed = [], 0
+    for what, ours, limit, most, busy_min in TARGETS:
+        a, b = results.get(ours, {}), results.get(limit, {})
+        ra, rb = _median(a.get("rounds")), _median(b.get("rounds"))
+        if not ra or not rb:
+            continue
+        ratio, busy = ra / rb, a.get("busy_rounds")
+        line = f"  {what:<52}{ra * 1e3:9.1f} ms / {rb * 1e3:7.1f} ms = {ratio:5.2f}x"
+        if most is not None:
+            ok = ratio <= most and (busy is None or busy >= busy_min)
+            missed += not ok
+            line += f" (goal <= {most}x, GPU busy {_fmt(busy, '.0%')} goal >= {busy_min:.0%}: {'met' if ok else 'NOT met'})"
+        lines.append(line)
+    return lines, missed
 
 
 def _mean(xs):
