@@ -33,6 +33,7 @@ VARIANTS = {
     "inprocess": ["engine=inprocess"],
     "inprocess-w2": ["engine=inprocess", "engine.workers=2"],
     "vectorized": ["engine=vectorized"],
+    "vectorized-allcores": ["engine=vectorized", "engine.threads=null"],
     "ray": ["engine=ray"],
     "flower": None,
     "torch": None,
@@ -546,34 +547,62 @@ def machine_line() -> str:
     return f"{os.cpu_count()} CPU cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
+class BusyNeighbour:
+    """A second process spinning on every core (``with BusyNeighbour(): ...``): a loaded machine, reproducibly."""
+
+    SPIN = "import os\nfor _ in range(os.cpu_count() - 1):\n    if os.fork() == 0: break\nwhile True: pass\n"
+
+    def __enter__(self) -> BusyNeighbour:
+        self.proc = subprocess.Popen([sys.executable, "-c", self.SPIN], start_new_session=True)
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, 9)  # the spinner and its forks (their own session)
+        self.proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--variants", default="auto,inprocess,inprocess-w2,ray,flower,torch")
+    ap.add_argument("--variants", default="auto,vectorized,inprocess,inprocess-w2,ray,flower,torch,batched")
     ap.add_argument("--repeat", type=int, default=1, help="runs per variant (median reported)")
+    ap.add_argument(
+        "--load",
+        default="idle,busy",
+        help="idle: the machine as it is; busy: beside a neighbour process spinning on every core (both: idle,busy)",
+    )
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.rounds)))
         return
     before = machine_line()
-    runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+    loads = args.load.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {(ld, v): [] for ld in loads for v in args.variants.split(",")}
     for _ in range(args.repeat):  # repeats interleaved: a change in the machine's load hits every variant
-        for v in runs:
-            runs[v].append(run_child([__file__, "--child", v, "--rounds", str(args.rounds)]))
-    rows = [("default", v, summarise(r)) for v, r in runs.items()]
+        for ld, v in runs:
+            argv = [__file__, "--child", v, "--rounds", str(args.rounds)]
+            if ld == "busy":
+                with BusyNeighbour():
+                    runs[ld, v].append(run_child(argv))
+            else:
+                runs[ld, v].append(run_child(argv))
+    rows = [("default" if ld == "idle" else f"default+{ld}", v, summarise(r)) for (ld, v), r in runs.items()]
     print(
         f"\ndefault experiment (digits, MLP, 20 clients, 10 per round, {args.rounds} rounds); each variant in a "
-        f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}"
+        f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}; default+busy: beside "
+        "a process spinning on every core"
     )
     print("\n".join(format_rows(rows)))
     print(
         "start-up: wall time outside the rounds (imports, data, partitions, workers or Ray, first evaluation, exit). "
         "torch/this: plain torch's time / this one's (1.0 = no overhead); flower/this: times faster than vanilla "
         "Flower run_simulation (its ClientApp caches the data set and partitions per process, as Flower's "
-        "quickstart does)."
+        "quickstart does). batched: the hand-batched torch limit (batched_fedavg)."
     )
-    print("\n".join(goals(rows, "default")))
+    for sc in dict.fromkeys(sc for sc, _, _ in rows):
+        print("\n".join(goals(rows, sc)))
 
 
 def goals(rows: list[tuple[str, str, dict]], scenario: str, round_goal: float = 0.9) -> list[str]:
@@ -587,6 +616,15 @@ def goals(rows: list[tuple[str, str, dict]], scenario: str, round_goal: float = 
             f"({scenario}) plain torch / auto (default engine), time per round: {r:.2f} "
             f"(goal >= {round_goal}: {'met' if r >= round_goal else 'NOT met'})"
         )
+    lim = got.get("batched")
+    for name in ("auto", "vectorized"):
+        mine = got.get(name)
+        if mine and lim and mine["per_round"] and lim["per_round"]:
+            r = lim["per_round"] / mine["per_round"]
+            out.append(
+                f"({scenario}) batched torch limit / {name}, time per round: {r:.2f} "
+                f"(goal >= 0.8: {'met' if r >= 0.8 else 'NOT met'})"
+            )
     if auto and fl and scenario == "default":
         r = fl["wall"] / auto["wall"]
         out.append(

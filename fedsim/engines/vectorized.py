@@ -416,6 +416,30 @@ def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict
 
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> dict[str, Message]:
     """Batched local training of clients sorted by step count (descending); replies keyed by message id."""
+    names = [n for n, _ in members[0].task.model.named_parameters()]
+    params, losses = train_stacked(members, local, device, mu)
+    final = {n: params[n].detach().cpu() for n in names}  # one copy off the device for the whole cohort
+    replies = {}
+    for i, c in enumerate(members):
+        replies[c.msg.metadata.message_id] = train_reply(
+            c.msg,
+            {n: final[n][i] for n in names},
+            num_examples=int(c.task.x_train.shape[0]),
+            loss=losses[i] / len(c.batches),
+            partition_id=c.task.partition_id,
+            steps=len(c.batches),
+            examples_processed=sum(len(b) for b in c.batches),
+        )
+    return replies
+
+
+def train_stacked(
+    members: list[_Client], local: LocalTraining, device: str, mu: float
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The batched steps of clients sorted by step count (descending): their final parameters stacked
+    ``(clients, *shape)`` on ``device``, by name, and each client's summed loss over its steps.
+
+    Only ``task`` (model, loss, data), ``start`` and ``batches`` of the members are read."""
     model = members[0].task.model
     learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
     names = [n for n, _ in model.named_parameters()]
@@ -468,17 +492,4 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
                         else bufs[n][:k]
                     )
                 p.add_(g, alpha=-local.lr)
-    losses = loss_sum.cpu().tolist()
-    final = {n: params[n].detach().cpu() for n in names}  # one copy off the device for the whole cohort
-    replies = {}
-    for i, c in enumerate(members):
-        replies[c.msg.metadata.message_id] = train_reply(
-            c.msg,
-            {n: final[n][i] for n in names},
-            num_examples=int(c.task.x_train.shape[0]),
-            loss=losses[i] / len(c.batches),
-            partition_id=c.task.partition_id,
-            steps=len(c.batches),
-            examples_processed=sum(len(b) for b in c.batches),
-        )
-    return replies
+    return params, loss_sum.cpu().tolist()
