@@ -346,12 +346,20 @@ _ACTIVATIONS: dict[tuple, int] = {}
 def estimate_bytes(
     model: nn.Module, x: torch.Tensor, members: list[_Client], local: LocalTraining, mu: float
 ) -> int:
-    """Peak bytes one more client adds to a batched step: its weights, gradients, optimiser state and FedProx
-    anchor, plus its activations (one example's, times the batch width, twice: forward and backward)."""
+    """Peak bytes one more client adds to a batched step (:func:`client_bytes`, at the cohort's batch width)."""
+    width = max((len(c.batches[0]) for c in members if c.batches), default=1)
+    return client_bytes(model, x[0] if x.shape[0] else None, local, width, mu)
+
+
+def client_bytes(
+    model: nn.Module, example: torch.Tensor | None, local: LocalTraining, width: int, mu: float
+) -> int:
+    """Peak bytes one client adds to a batched step: its weights, gradients, optimiser state and FedProx
+    anchor, plus its activations (one example's, times the batch width, twice: forward and backward).
+    The run's pre-flight memory check uses the same estimate (``fedsim.experiment.check_memory``)."""
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = 2 + (local.optimizer in ("momentum", "nesterov")) + (mu > 0)  # weights, grads, momentum, anchor
-    width = max((len(c.batches[0]) for c in members if c.batches), default=1)
-    per_example = activation_bytes(model, x[0]) if x.shape[0] else 0
+    per_example = activation_bytes(model, example) if example is not None else 0
     return copies * param_bytes + 2 * width * per_example
 
 
