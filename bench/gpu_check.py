@@ -115,16 +115,36 @@ def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
     }
 
 
+def _fail_fast(vectorized) -> None:
+    """A batched group that fails raises here instead of rerunning its clients one by one (a check of the
+    CUDA-graph path must not spend minutes in the sequential fallback)."""
+    attempt = vectorized.VectorizedGrid._attempt
+
+    def strict(self, item):
+        out = attempt(self, item)
+        if out[2] is not None:
+            raise RuntimeError(f"batched training failed: {out[2]}")
+        return out
+
+    vectorized.VectorizedGrid._attempt = strict
+
+
 def _max_rel(a: dict, b: dict) -> float:
 
     return max(float((a[k].double() - b[k].double()).norm() / (a[k].double().norm() + 1e-12)) for k in a)
 
 
-def child_agree(name: str, device: str, deterministic: bool, small: bool) -> dict:
-    """inprocess against vectorized on ``device``: the largest relative model difference and the tolerance."""
+def child_agree(name: str, device: str, deterministic: bool, small: bool, graph: bool = False) -> dict:
+    """inprocess against vectorized on ``device``: the largest relative model difference and the tolerance.
+    ``graph``: the vectorized engine replays its steps as CUDA graphs (``vectorized.CUDA_GRAPHS``)."""
     import torch
 
     from fedsim import build
+    from fedsim.engines import vectorized
+
+    vectorized.CUDA_GRAPHS = graph
+    if graph:
+        _fail_fast(vectorized)
 
     over = MLP if name == "agree-mlp" else CNN_AGREE
     over = [
@@ -257,13 +277,15 @@ def child_time(variant: str, device: str, small: bool, workload: str = "small") 
             lr=local.lr,
             device=device,
         )
-    extra = (
-        ["engine=vectorized", "engine.vmap_conv_cpu=true"]
-        if variant == "vectorized"
-        else ["engine=inprocess"]
-    )
+    from fedsim.engines import vectorized
+
+    vectorized.CUDA_GRAPHS = variant == "vectorized-graph"
+    if vectorized.CUDA_GRAPHS:
+        _fail_fast(vectorized)
+    batched = variant.startswith("vectorized")
+    extra = ["engine=vectorized", "engine.vmap_conv_cpu=true"] if batched else ["engine=inprocess"]
     with tempfile.TemporaryDirectory() as tmp:
-        res = _run([*over, *extra], Path(tmp) / "run", count_batched=variant == "vectorized")
+        res = _run([*over, *extra], Path(tmp) / "run", count_batched=batched)
     res.pop("model")
     if torch.cuda.is_available():
         res["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -330,15 +352,18 @@ CHECKS = [  # (name, child args, section)
     ("agree-mlp", ["agree", "agree-mlp", "1"], "correctness"),
     ("agree-cnn-deterministic", ["agree", "agree-cnn", "1"], "correctness"),
     ("agree-cnn-fast", ["agree", "agree-cnn", "0"], "correctness"),
+    ("agree-cnn-graph", ["agree", "agree-cnn", "1", "graph"], "correctness"),
     ("placement", ["placement"], "placement"),
     ("time-inprocess", ["time", "inprocess"], "timing"),
     ("time-vectorized", ["time", "vectorized"], "timing"),
+    ("time-vectorized-graph", ["time", "vectorized-graph"], "timing"),
     ("time-torch", ["time", "torch"], "timing"),
     ("time-limit-eager", ["time", "limit-eager"], "timing"),
     ("time-limit-graph", ["time", "limit-graph"], "timing"),
     ("k1000-vectorized", ["time", "vectorized", "k1000"], "targets"),
     ("k1000-limit-eager", ["time", "limit-eager", "k1000"], "targets"),
     ("real-vectorized", ["time", "vectorized", "real"], "targets"),
+    ("real-vectorized-graph", ["time", "vectorized-graph", "real"], "targets"),
     ("real-limit-eager", ["time", "limit-eager", "real"], "targets"),
     ("real-limit-graph", ["time", "limit-graph", "real"], "targets"),
 ]
@@ -347,7 +372,7 @@ CHECKS = [  # (name, child args, section)
 def child(args: list[str], device: str, small: bool) -> dict:
     kind = args[0]
     if kind == "agree":
-        return child_agree(args[1], device, args[2] == "1", small)
+        return child_agree(args[1], device, args[2] == "1", small, graph=args[3:] == ["graph"])
     if kind == "placement":
         return child_placement(device, small)
     return child_time(args[1], device, small, args[2] if len(args) > 2 else "small")
@@ -396,7 +421,7 @@ def main() -> None:
         print(f"  {section}/{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nfedsim GPU check on {where}; {bench.machine_line()}")
     print("\n1. correctness (inprocess vs vectorized, final models)")
-    for name in ("agree-mlp", "agree-cnn-deterministic", "agree-cnn-fast"):
+    for name in ("agree-mlp", "agree-cnn-deterministic", "agree-cnn-fast", "agree-cnn-graph"):
         r = results.get(name)
         if r is None:
             continue
@@ -466,8 +491,22 @@ def main() -> None:
 
 TARGETS = [  # (what, fedsim's check, the limit's check, most fedsim/limit, least GPU busy in fedsim's rounds)
     ("100 clients, 6 steps: fedsim / eager vmap limit", "time-vectorized", "time-limit-eager", 1.5, 0.5),
+    (
+        "100 clients, 6 steps: fedsim graph / eager limit",
+        "time-vectorized-graph",
+        "time-limit-eager",
+        1.5,
+        0.5,
+    ),
     ("1,000 clients, 6 steps: fedsim / eager vmap limit", "k1000-vectorized", "k1000-limit-eager", 1.3, 0.5),
     ("100 clients, 145 steps: fedsim / CUDA-graph limit", "real-vectorized", "real-limit-graph", 1.5, 0.7),
+    (
+        "100 clients, 145 steps: fedsim graph / graph limit",
+        "real-vectorized-graph",
+        "real-limit-graph",
+        1.5,
+        0.7,
+    ),
     ("100 clients, 6 steps: eager limit / graph limit", "time-limit-eager", "time-limit-graph", None, None),
     ("100 clients, 145 steps: eager limit / graph limit", "real-limit-eager", "real-limit-graph", None, None),
 ]

@@ -247,3 +247,28 @@ def test_dense_supports_only_plain_mlps():
     assert not supports(nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(2, 2)))
     assert not supports(nn.Sequential(nn.Flatten(0), nn.Linear(4, 2)))
     assert not supports(nn.Sequential(nn.ReLU()))
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn"])
+def test_static_buffer_step_of_the_cuda_graph_equals_the_eager_steps(model):
+    """The step a CUDA graph captures (static buffers, momentum buffers from zero) gives the eager path's
+    parameters and losses exactly (run here without capture; the capture itself is checked on a GPU)."""
+    from fedsim.engines.vectorized import _Client, schedule, train_stacked
+
+    over = ["model=cnn", "model.channels=[3]", "model.hidden=8"] if model == "cnn" else []
+    spec = build.client_spec(compose_cfg("num_clients=6", "partitioner=iid", *over), "cpu")
+    local = LocalTraining(
+        optimizer="nesterov", lr=0.05, momentum=0.9, weight_decay=0.01, batch_size=8, local_steps=5
+    )
+    tasks = [build.client_task(spec, pid) for pid in range(4)]
+    start = {n: p.detach().clone() for n, p in tasks[0].model.named_parameters()}
+    members = [
+        _Client(None, t, start, schedule(int(t.x_train.shape[0]), local, torch.Generator().manual_seed(i)))
+        for i, t in enumerate(tasks)
+    ]
+    eager, eager_loss = train_stacked(members, local, "cpu", 0.3, graph=False)
+    static, static_loss = train_stacked(members, local, "cpu", 0.3, graph=True)
+    assert static_loss == eager_loss
+    for n in eager:
+        assert torch.equal(static[n], eager[n]), n
+    assert not torch.equal(eager[n], start[n].expand_as(eager[n]))

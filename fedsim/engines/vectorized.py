@@ -441,13 +441,21 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
     return replies
 
 
+CUDA_GRAPHS = False  # capture a cohort's SGD step as a CUDA graph where shapes repeat (see train_stacked)
+_GRAPHS: dict[tuple, _StepGraph] = {}
+
+
 def train_stacked(
-    members: list[_Client], local: LocalTraining, device: str, mu: float
+    members: list[_Client], local: LocalTraining, device: str, mu: float, graph: bool | None = None
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """The batched steps of clients sorted by step count (descending): their final parameters stacked
     ``(clients, *shape)`` on ``device``, by name, and each client's summed loss over its steps.
 
-    Only ``task`` (model, loss, data), ``start`` and ``batches`` of the members are read."""
+    Only ``task`` (model, loss, data), ``start`` and ``batches`` of the members are read. ``graph`` (default:
+    :data:`CUDA_GRAPHS` on a CUDA device): when every client takes the same number of steps (every step has
+    the same shapes), one step is captured as a CUDA graph on static buffers and replayed for every step (on
+    the CPU, ``graph=True`` runs the same static-buffer step without capture: the tests' check of its math).
+    """
     model = members[0].task.model
     learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
     names = [n for n, _ in model.named_parameters()]
@@ -457,9 +465,6 @@ def train_stacked(
     x, y, gather, weight = cohort_batches(members, steps, width, device)
     params = _stack_starts(members, names, device)  # (clients, *shape)
     anchor = {n: p.clone() for n, p in params.items()} if mu > 0 else None
-    bufs: dict[str, torch.Tensor] = {}
-    use_momentum = local.optimizer in ("momentum", "nesterov")
-    loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
     step = _dense_step(model, learnt)
     forward = None
     if step is None:
@@ -469,35 +474,118 @@ def train_stacked(
             else vmap(lambda p, xb: functional_call(model, p, (xb,)))
         )
     model.train()
+    cuda = torch.device(device).type == "cuda"
+    if graph is None:
+        graph = CUDA_GRAPHS and cuda
+    sgd = functools.partial(_sgd_step, step, forward, learnt, names, local, mu)
+    if graph and active[-1] == k_all:  # every client takes every step: the shapes repeat
+        key = (
+            id(model),
+            learnt,
+            k_all,
+            width,
+            _capacity(x.shape[0]),
+            x.shape[1:],
+            x.dtype,
+            local,
+            mu,
+            device,
+        )
+        if key not in _GRAPHS:
+            if len(_GRAPHS) >= 16:
+                _GRAPHS.clear()
+            _GRAPHS[key] = _StepGraph(sgd, params, anchor, k_all, width, x, y, capture=cuda)
+        return _GRAPHS[key].run(params, anchor, x, y, gather, weight)
+    bufs = {n: torch.zeros_like(p) for n, p in params.items()} if local.optimizer != "sgd" else {}
+    loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
     for t in range(steps):
         k = active[t]
         idx = gather[t, :k]  # (k, width)
-        if step is not None:  # an MLP on cross-entropy: the hand-written batched step
-            per_client, by_name = step({n: params[n][:k] for n in names}, x[idx], y[idx], weight[t, :k])
-            grads = [by_name[n] for n in names]
-        else:
-            leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
-            out = forward(leaves, x[idx])  # (k, width, classes)
-            losses = learnt.loss(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(k, width)
-            per_client = (losses * weight[t, :k]).sum(1)  # (k,) each client's mean batch loss
-            grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
-        with torch.no_grad():
-            loss_sum[:k] += per_client.double()
-            for n, g in zip(names, grads):
-                p = params[n][:k]
-                if anchor is not None:
-                    g = g + mu * (p - anchor[n][:k])
-                if local.weight_decay != 0:
-                    g = g.add(p, alpha=local.weight_decay)
-                if use_momentum:
-                    if t == 0:  # every client takes a first step
-                        bufs[n] = g.clone()
-                    else:
-                        bufs[n][:k].mul_(local.momentum).add_(g)
-                    g = (
-                        g.add(bufs[n][:k], alpha=local.momentum)
-                        if local.optimizer == "nesterov"
-                        else bufs[n][:k]
-                    )
-                p.add_(g, alpha=-local.lr)
+        sgd(params, bufs, anchor, loss_sum, x[idx], y[idx], weight[t, :k])
     return params, loss_sum.cpu().tolist()
+
+
+def _capacity(n: int) -> int:
+    """Rows of a static data buffer for ``n`` examples (a power of two: uneven cohorts reuse one graph)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:
+    """One SGD step of the first ``k = len(w)`` clients in place: gradients (the dense step, or autograd
+    through ``forward``), FedProx's term, weight decay, momentum / Nesterov (buffers start at zero, so the
+    first step's buffer is the gradient, as in ``torch.optim.SGD``), the update; losses added to ``loss_sum``."""
+    k, width = w.shape
+    if step is not None:  # an MLP on cross-entropy: the hand-written batched step
+        per_client, by_name = step({n: params[n][:k] for n in names}, xb, yb, w)
+        grads = [by_name[n] for n in names]
+    else:
+        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
+        out = forward(leaves, xb)  # (k, width, classes)
+        losses = learnt.loss(out.flatten(0, 1), yb.flatten(), reduction="none").view(k, width)
+        per_client = (losses * w).sum(1)  # (k,) each client's mean batch loss
+        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
+    with torch.no_grad():
+        loss_sum[:k] += per_client.double()
+        for n, g in zip(names, grads):
+            p = params[n][:k]
+            if anchor is not None:
+                g = g + mu * (p - anchor[n][:k])
+            if local.weight_decay != 0:
+                g = g.add(p, alpha=local.weight_decay)
+            if bufs:
+                buf = bufs[n][:k].mul_(local.momentum).add_(g)  # 0 * m + g = g exactly on the first step
+                g = g.add(buf, alpha=local.momentum) if local.optimizer == "nesterov" else buf
+            p.add_(g, alpha=-local.lr)
+
+
+class _StepGraph:
+    """A cohort's SGD step on static buffers, captured once as a CUDA graph (``capture``) and replayed."""
+
+    def __init__(self, sgd, params, anchor, k: int, width: int, x, y, capture: bool) -> None:
+        self.params = {n: torch.zeros_like(p) for n, p in params.items()}
+        momentum = sgd.args[4].optimizer != "sgd"
+        self.bufs = {n: torch.zeros_like(p) for n, p in params.items()} if momentum else {}
+        self.anchor = None if anchor is None else {n: torch.zeros_like(p) for n, p in anchor.items()}
+        self.loss_sum = torch.zeros(k, dtype=torch.float64, device=x.device)
+        cap = _capacity(x.shape[0])
+        self.x = torch.zeros((cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.y = torch.zeros(cap, dtype=y.dtype, device=y.device)
+        self.idx = torch.zeros(k, width, dtype=torch.long, device=x.device)
+        self.w = torch.zeros(k, width, dtype=x.dtype, device=x.device)
+
+        def fn() -> None:
+            sgd(
+                self.params, self.bufs, self.anchor, self.loss_sum, self.x[self.idx], self.y[self.idx], self.w
+            )
+
+        self.fn, self.graph = fn, None
+        if capture:
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up before capture (the state is reset before every use)
+                    fn()
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                fn()
+
+    def run(self, params, anchor, x, y, gather, weight) -> tuple[dict[str, torch.Tensor], list[float]]:
+        for n, p in self.params.items():
+            p.copy_(params[n])
+        for b in self.bufs.values():
+            b.zero_()
+        if self.anchor is not None:
+            for n, a in self.anchor.items():
+                a.copy_(anchor[n])
+        self.loss_sum.zero_()
+        self.x[: x.shape[0]].copy_(x)
+        self.y[: y.shape[0]].copy_(y)
+        for t in range(gather.shape[0]):
+            self.idx.copy_(gather[t])
+            self.w.copy_(weight[t])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.fn()
+        return {n: p.clone() for n, p in self.params.items()}, self.loss_sum.cpu().tolist()
