@@ -10,8 +10,12 @@ Each check runs in a fresh process. In order (the time budget drops the last one
    spread over the visible GPUs; an injected out-of-memory error shrinks the vectorized batch and the run
    completes with the same model.
 3. **timing**: 100 clients per round of the CIFAR-size CNN, per client (``inprocess``) against ``vectorized``
-   against a plain torch loop, with GPU busy fraction (``nvidia-smi`` sampled every 0.2 s), the peak GPU memory of
-   every process (``nvidia-smi --query-compute-apps``), peak RSS, and how many clients trained batched.
+   (its eager steps; ``vectorized-graph``: the steps replayed as CUDA graphs, the default on a GPU) against a
+   plain torch loop and the batched limits (``limit-eager``: one ``vmap`` loop, data on the device;
+   ``limit-graph``: its step as a CUDA graph), also for 1,000 clients a round (``k1000-*``) and for 450 examples
+   a client and 5 epochs (``real-*``, 145 steps); with GPU busy fraction (``nvidia-smi`` sampled every 0.2 s),
+   the peak GPU memory of every process (``nvidia-smi --query-compute-apps``), peak RSS, and how many clients
+   trained batched. Section 4 prints the speed targets (fedsim's round against the limits), met or not.
 
     python bench/gpu_check.py             # on a CUDA machine, about 3-5 minutes
     python bench/gpu_check.py --dry-run   # every path of the script on the CPU, small sizes (checks the script)

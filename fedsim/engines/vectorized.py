@@ -441,8 +441,11 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
     return replies
 
 
-CUDA_GRAPHS = False  # capture a cohort's SGD step as a CUDA graph where shapes repeat (see train_stacked)
-_GRAPHS: dict[tuple, _StepGraph] = {}
+# Capture a cohort's SGD step as a CUDA graph where shapes repeat (see train_stacked). Measured on an H200
+# (bench/gpu_check.py, CIFAR-size CNN, 100 clients of 450 examples, 145 steps): 1.46 s -> 0.86 s a round,
+# the same models as per-client training (3e-8). A capture that fails falls back to the eager batched steps.
+CUDA_GRAPHS = True
+_GRAPHS: dict[tuple, _StepGraph | None] = {}  # None: capture failed for that key, eager from then on
 
 
 def train_stacked(
@@ -494,8 +497,13 @@ def train_stacked(
         if key not in _GRAPHS:
             if len(_GRAPHS) >= 16:
                 _GRAPHS.clear()
-            _GRAPHS[key] = _StepGraph(sgd, params, anchor, k_all, width, x, y, capture=cuda)
-        return _GRAPHS[key].run(params, anchor, x, y, gather, weight)
+            try:
+                _GRAPHS[key] = _StepGraph(sgd, params, anchor, k_all, width, x, y, capture=cuda)
+            except (RuntimeError, NotImplementedError) as exc:
+                log.warning("vectorized engine: CUDA graph capture failed (%s); eager batched steps", exc)
+                _GRAPHS[key] = None
+        if _GRAPHS[key] is not None:
+            return _GRAPHS[key].run(params, anchor, x, y, gather, weight)
     bufs = {n: torch.zeros_like(p) for n, p in params.items()} if local.optimizer != "sgd" else {}
     loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
     for t in range(steps):
