@@ -66,6 +66,16 @@ def fedsim_child(overrides: list[str]) -> dict:
 
     build._dataset = timed("data_s", build._dataset)
     build._splits = timed("partitions_s", build._splits)
+    if (
+        os.environ.get("BENCH_CLOCK") == "cpu"
+    ):  # round times in CPU seconds of the server's thread (see --clock)
+        import types
+
+        from fedsim import server
+
+        server.time = types.SimpleNamespace(
+            perf_counter=time.thread_time, monotonic=time.monotonic, sleep=time.sleep, time=time.time
+        )
     out = Path(tempfile.mkdtemp(prefix="fedsim-bench-"))
     sys.argv = ["fedsim", *overrides, "quiet=true", "checkpoint_every=0", f"hydra.run.dir={out}"]
     try:
@@ -154,7 +164,7 @@ def plain_fedavg(
     cache: dict[int, tuple] = {}
     times, acc, start = [], None, time.time()
     for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         acc_sum = {k: torch.zeros_like(v) for k, v in glob.items()}
         total = 0
         for pid in sample_cohort(rnd):
@@ -188,13 +198,18 @@ def plain_fedavg(
             ) / len(yt)
         if device != "cpu":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return {
         "rounds": times,
         "accuracy": acc,
         "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
         "window": [start, time.time()],  # the rounds, wall clock (GPU samples are matched to it)
     }
+
+
+def clock() -> float:
+    """The round timer: wall time, or the thread's CPU time with ``BENCH_CLOCK=cpu`` (``--clock cpu``)."""
+    return time.thread_time() if os.environ.get("BENCH_CLOCK") == "cpu" else time.perf_counter()
 
 
 def batched_fedavg(
@@ -267,7 +282,7 @@ def batched_fedavg(
     graphs: dict[tuple, _StepGraph] = {}
     times, acc, start = [], None, time.time()
     for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         cohort = sample_cohort(rnd)
         for pid in cohort:
             if pid not in cache:
@@ -334,7 +349,7 @@ def batched_fedavg(
             ) / len(yt)
         if device != "cpu":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return {
         "rounds": times,
         "accuracy": acc,
@@ -520,22 +535,22 @@ def _f(v, fmt: str) -> str:
 def format_rows(rows: list[tuple[str, str, dict]]) -> list[str]:
     """Table lines for ``(scenario, variant, summary)`` rows; ratios against the same scenario's torch/flower."""
     head = (
-        f"{'scenario':<10}{'variant':<20}{'wall s':>8}{'start-up s':>11}{'round 1 s':>10}{'round s':>9}"
+        f"{'scenario':<14}{'variant':<20}{'wall s':>8}{'start-up s':>11}{'round 1 s':>10}{'round s':>9}"
         f"{'peak MB':>9}{'accuracy':>9}{'torch/this':>11}{'torch/this':>11}{'flower/this':>12}"
     )
-    sub = f"{'':<30}{'':>8}{'':>11}{'':>10}{'(2..R)':>9}{'':>9}{'':>9}{'(round)':>11}{'(wall)':>11}{'(wall)':>12}"
+    sub = f"{'':<34}{'':>8}{'':>11}{'':>10}{'(2..R)':>9}{'':>9}{'':>9}{'(round)':>11}{'(wall)':>11}{'(wall)':>12}"
     lines = [head, sub]
     base = {(sc, v): s for sc, v, s in rows if "error" not in s}
     for sc, v, s in rows:
         if "error" in s:
-            lines.append(f"{sc:<10}{v:<20}failed: {s['error']}")
+            lines.append(f"{sc:<14}{v:<20}failed: {s['error']}")
             continue
         t, fl = base.get((sc, "torch")), base.get((sc, "flower"))
         r_round = t["per_round"] / s["per_round"] if t and t["per_round"] and s["per_round"] else None
         r_wall = t["wall"] / s["wall"] if t else None
         r_fl = fl["wall"] / s["wall"] if fl else None
         lines.append(
-            f"{sc:<10}{v:<20}{_f(s['wall'], '8.2f')}{_f(s['startup'], '11.2f')}{_f(s['round1'], '10.3f')}"
+            f"{sc:<14}{v:<20}{_f(s['wall'], '8.2f')}{_f(s['startup'], '11.2f')}{_f(s['round1'], '10.3f')}"
             f"{_f(s['per_round'], '9.3f')}{_f(s['peak_mb'], '9.0f')}{_f(s['accuracy'], '9.4f')}"
             f"{_f(r_round, '11.2f')}{_f(r_wall, '11.2f')}{_f(r_fl, '12.2f')}"
         )
@@ -572,11 +587,18 @@ def main() -> None:
         default="idle,busy",
         help="idle: the machine as it is; busy: beside a neighbour process spinning on every core (both: idle,busy)",
     )
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="round times in wall seconds, or CPU seconds of the round's thread (steadier on a shared machine)",
+    )
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.rounds)))
         return
+    ENV["BENCH_CLOCK"] = args.clock
     before = machine_line()
     loads = args.load.split(",")
     runs: dict[tuple[str, str], list[dict]] = {(ld, v): [] for ld in loads for v in args.variants.split(",")}
@@ -592,7 +614,7 @@ def main() -> None:
     print(
         f"\ndefault experiment (digits, MLP, 20 clients, 10 per round, {args.rounds} rounds); each variant in a "
         f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}; default+busy: beside "
-        "a process spinning on every core"
+        f"a process spinning on every core; round times: {args.clock} clock"
     )
     print("\n".join(format_rows(rows)))
     print(

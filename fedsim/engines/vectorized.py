@@ -75,7 +75,7 @@ def schedule(
     out: list[torch.Tensor] = []
     while len(out) < steps:
         order = torch.randperm(n, generator=gen)  # one pass over the data
-        out.extend(order[s : s + bs] for s in range(0, n, bs))
+        out.extend(order.split(bs))
         del out[steps:]
     return out
 
