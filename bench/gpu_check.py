@@ -151,6 +151,8 @@ def child_agree(name: str, device: str, deterministic: bool, small: bool, graph:
         _fail_fast(vectorized)
 
     over = MLP if name == "agree-mlp" else CNN_AGREE
+    if graph and name == "agree-mlp":  # every client the same steps, so that the graph path runs
+        over = [*over, "client.local_steps=5", "partitioner=iid"]
     over = [
         *over,
         *(SMALL[name] if small else []),
@@ -357,6 +359,7 @@ CHECKS = [  # (name, child args, section)
     ("agree-cnn-deterministic", ["agree", "agree-cnn", "1"], "correctness"),
     ("agree-cnn-fast", ["agree", "agree-cnn", "0"], "correctness"),
     ("agree-cnn-graph", ["agree", "agree-cnn", "1", "graph"], "correctness"),
+    ("agree-mlp-graph", ["agree", "agree-mlp", "1", "graph"], "correctness"),
     ("placement", ["placement"], "placement"),
     ("time-inprocess", ["time", "inprocess"], "timing"),
     ("time-vectorized", ["time", "vectorized"], "timing"),
@@ -425,7 +428,13 @@ def main() -> None:
         print(f"  {section}/{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nfedsim GPU check on {where}; {bench.machine_line()}")
     print("\n1. correctness (inprocess vs vectorized, final models)")
-    for name in ("agree-mlp", "agree-cnn-deterministic", "agree-cnn-fast", "agree-cnn-graph"):
+    for name in (
+        "agree-mlp",
+        "agree-cnn-deterministic",
+        "agree-cnn-fast",
+        "agree-cnn-graph",
+        "agree-mlp-graph",
+    ):
         r = results.get(name)
         if r is None:
             continue
