@@ -146,7 +146,7 @@ def child_agree(name: str, device: str, deterministic: bool, small: bool, graph:
     from fedsim import build
     from fedsim.engines import vectorized
 
-    vectorized.CUDA_GRAPHS = graph
+    vectorized.CUDA_GRAPHS = vectorized.CUDA_GRAPHS_DENSE = graph
     if graph:
         _fail_fast(vectorized)
 
@@ -285,7 +285,7 @@ def child_time(variant: str, device: str, small: bool, workload: str = "small") 
         )
     from fedsim.engines import vectorized
 
-    vectorized.CUDA_GRAPHS = variant == "vectorized-graph"
+    vectorized.CUDA_GRAPHS = vectorized.CUDA_GRAPHS_DENSE = variant == "vectorized-graph"
     if vectorized.CUDA_GRAPHS:
         _fail_fast(vectorized)
     batched = variant.startswith("vectorized")

@@ -445,6 +445,9 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
 # (bench/gpu_check.py, CIFAR-size CNN, 100 clients of 450 examples, 145 steps): 1.46 s -> 0.86 s a round,
 # the same models as per-client training (3e-8). A capture that fails falls back to the eager batched steps.
 CUDA_GRAPHS = True
+# The MLPs' hand-written step (fedsim.engines.dense) under a graph: equal to its eager form on the CPU (test), not
+# yet run on a GPU (bench/gpu_check.py agree-mlp-graph checks it); off until it has been.
+CUDA_GRAPHS_DENSE = False
 _GRAPHS: dict[tuple, _StepGraph | None] = {}  # None: capture failed for that key, eager from then on
 
 
@@ -479,7 +482,7 @@ def train_stacked(
     model.train()
     cuda = torch.device(device).type == "cuda"
     if graph is None:
-        graph = CUDA_GRAPHS and cuda
+        graph = CUDA_GRAPHS and cuda and (step is None or CUDA_GRAPHS_DENSE)
     sgd = functools.partial(_sgd_step, step, forward, learnt, names, local, mu)
     if graph and active[-1] == k_all:  # every client takes every step: the shapes repeat
         key = (
