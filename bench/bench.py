@@ -283,7 +283,7 @@ def batched_fedavg(
     times, acc, start = [], None, time.time()
     for rnd in range(1, rounds + 1):
         t0 = clock()
-        cohort = sample_cohort(rnd)
+        cohort = sorted(sample_cohort(rnd), key=lambda p: -len(parts[p]))  # chunks of similar step counts
         for pid in cohort:
             if pid not in cache:
                 cache[pid] = (
@@ -325,9 +325,10 @@ def batched_fedavg(
         else:
             params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
         step_k = chunk or k
+        nsteps = [epochs * -(-n // b) for n, b in zip(sizes, bss)]
         for c0 in range(0, k, step_k):
             sl = slice(c0, c0 + step_k)
-            for t in range(steps):
+            for t in range(max(nsteps[sl])):  # the chunk's own steps (finished clients weigh 0)
                 idx = gather[t, sl]
                 leaves = {n: params[n][sl].detach().requires_grad_() for n in names}
                 out = forward(leaves, x[idx])
