@@ -33,9 +33,11 @@ VARIANTS = {
     "inprocess": ["engine=inprocess"],
     "inprocess-w2": ["engine=inprocess", "engine.workers=2"],
     "vectorized": ["engine=vectorized"],
+    "vectorized-allcores": ["engine=vectorized", "engine.threads=null"],
     "ray": ["engine=ray"],
     "flower": None,
     "torch": None,
+    "batched": None,  # the hand-batched torch limit (batched_fedavg)
 }
 
 
@@ -64,6 +66,16 @@ def fedsim_child(overrides: list[str]) -> dict:
 
     build._dataset = timed("data_s", build._dataset)
     build._splits = timed("partitions_s", build._splits)
+    if (
+        os.environ.get("BENCH_CLOCK") == "cpu"
+    ):  # round times in CPU seconds of the server's thread (see --clock)
+        import types
+
+        from fedsim import server
+
+        server.time = types.SimpleNamespace(
+            perf_counter=time.thread_time, monotonic=time.monotonic, sleep=time.sleep, time=time.time
+        )
     out = Path(tempfile.mkdtemp(prefix="fedsim-bench-"))
     sys.argv = ["fedsim", *overrides, "quiet=true", "checkpoint_every=0", f"hydra.run.dir={out}"]
     try:
@@ -152,7 +164,7 @@ def plain_fedavg(
     cache: dict[int, tuple] = {}
     times, acc, start = [], None, time.time()
     for rnd in range(1, rounds + 1):
-        t0 = time.perf_counter()
+        t0 = clock()
         acc_sum = {k: torch.zeros_like(v) for k, v in glob.items()}
         total = 0
         for pid in sample_cohort(rnd):
@@ -186,13 +198,212 @@ def plain_fedavg(
             ) / len(yt)
         if device != "cpu":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return {
         "rounds": times,
         "accuracy": acc,
         "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
         "window": [start, time.time()],  # the rounds, wall clock (GPU samples are matched to it)
     }
+
+
+def clock() -> float:
+    """The round timer: wall time, or the thread's CPU time with ``BENCH_CLOCK=cpu`` (``--clock cpu``)."""
+    return time.thread_time() if os.environ.get("BENCH_CLOCK") == "cpu" else time.perf_counter()
+
+
+def batched_fedavg(
+    ds,
+    parts,
+    factory,
+    *,
+    seed: int,
+    per_round: int,
+    rounds: int,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    device: str = "cpu",
+    chunk: int = 0,
+    forward_kind: str = "auto",
+    graph: bool = False,
+) -> dict:
+    """The hand-batched torch limit: :func:`plain_fedavg`'s SGD steps with the whole cohort as one batched model.
+
+    Each round: the cohort's seeded batch orders as one ``(steps, clients, batch)`` gather index (a client that
+    has finished gets zero loss weight: no change under plain SGD), the start model expanded to
+    ``(clients, *shape)``, every step one forward and one ``autograd.grad`` of the cohort's summed per-client
+    mean losses (MLPs as ``baddbmm`` per linear layer; Sequential conv nets as grouped convolutions,
+    ``fedsim.engines.grouped``, ``chunk`` clients at a time), the SGD update in place, the example-weighted
+    mean in float64 (as fedsim's FedAvg) and the evaluation of the global model. What a researcher writes by
+    hand for the fastest round torch gives on this hardware; no framework around it.
+
+    ``forward_kind="vmap"``: ``vmap(functional_call(model))`` instead (the GPU's eager limit). ``graph=True``
+    (CUDA): one step captured as a CUDA graph on static buffers (every step has the same shapes: all clients,
+    the widest batch, zero weights where a client has no example) and replayed for every step of every round.
+    """
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from fedsim.engines import grouped
+    from fedsim.models import build_model
+
+    def sample_cohort(rnd: int) -> list[int]:
+        return sorted(
+            int(p) for p in np.random.default_rng([seed, 1, rnd]).choice(len(parts), per_round, False)
+        )
+
+    torch.set_num_threads(1)
+    model = build_model(factory, ds.input_shape, ds.num_classes, seed=seed).to(device)
+    names = [n for n, _ in model.named_parameters()]
+    if forward_kind == "vmap":
+        from torch.func import functional_call, vmap
+
+        forward = vmap(lambda p, xb: functional_call(model, p, (xb,)))
+    elif grouped.supports(model):
+        forward = grouped.grouped_forward(model)
+    else:
+        linears = [n for n, m in model.named_children() if isinstance(m, nn.Linear)]
+
+        def forward(p, xb):  # (k, batch, *input) -> (k, batch, classes)
+            h = xb.flatten(2)
+            for j, n in enumerate(linears):
+                h = torch.baddbmm(p[f"{n}.bias"].unsqueeze(1), h, p[f"{n}.weight"].transpose(1, 2))
+                if j < len(linears) - 1:
+                    h = torch.relu(h)
+            return h
+
+    xt, yt = torch.as_tensor(ds.x_test, device=device), torch.as_tensor(ds.y_test, device=device)
+    glob = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cache: dict[int, tuple] = {}
+    slots: dict[int, tuple] = {}
+    graphs: dict[tuple, _StepGraph] = {}
+    times, acc, start = [], None, time.time()
+    for rnd in range(1, rounds + 1):
+        t0 = clock()
+        cohort = sorted(sample_cohort(rnd), key=lambda p: -len(parts[p]))  # chunks of similar step counts
+        for pid in cohort:
+            if pid not in cache:
+                cache[pid] = (
+                    torch.as_tensor(ds.x_train[parts[pid]], device=device),
+                    torch.as_tensor(ds.y_train[parts[pid]], device=device),
+                )
+        sizes = [len(cache[p][1]) for p in cohort]
+        x = torch.cat([cache[p][0] for p in cohort])
+        y = torch.cat([cache[p][1] for p in cohort])
+        k, offsets = len(cohort), np.cumsum([0, *sizes])
+        bss = [n if batch_size <= 0 else min(batch_size, n) for n in sizes]
+        steps = max(epochs * -(-n // b) for n, b in zip(sizes, bss))
+        width = max(bss)
+        gather = torch.zeros(steps, k, width, dtype=torch.long)
+        weight = torch.zeros(steps, k, width, dtype=x.dtype)
+        for i, (pid, n, b) in enumerate(zip(cohort, sizes, bss)):
+            if n not in slots:  # step and slot of every position of `epochs` passes, and its weight
+                per_pass = -(-n // b)
+                j = torch.arange(n)
+                lens = torch.tensor([min(b, n - s) for s in range(0, n, b)])
+                ts = torch.cat([e * per_pass + j // b for e in range(epochs)])
+                ss = (j % b).repeat(epochs)
+                slots[n] = (ts, ss, (1.0 / lens.to(x.dtype))[j // b].repeat(epochs))
+            ts, ss, ws = slots[n]
+            gen = torch.Generator().manual_seed(
+                int(np.random.SeedSequence([seed, 3, rnd, pid]).generate_state(1)[0])
+            )
+            order = torch.cat([torch.randperm(n, generator=gen) for _ in range(epochs)])
+            gather[ts, i, ss] = order + int(offsets[i])
+            weight[ts, i, ss] = ws
+        gather, weight = gather.to(device), weight.to(device)
+        if graph:
+            replay = graphs.get((k, width))
+            if replay is None:
+                replay = graphs[k, width] = _StepGraph(forward, names, glob, k, x, width, lr, device)
+            replay.run(glob, x, y, gather, weight)
+            params = replay.params
+            steps = 0  # done by the graph
+        else:
+            params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
+        step_k = chunk or k
+        nsteps = [epochs * -(-n // b) for n, b in zip(sizes, bss)]
+        for c0 in range(0, k, step_k):
+            sl = slice(c0, c0 + step_k)
+            for t in range(max(nsteps[sl])):  # the chunk's own steps (finished clients weigh 0)
+                idx = gather[t, sl]
+                leaves = {n: params[n][sl].detach().requires_grad_() for n in names}
+                out = forward(leaves, x[idx])
+                kk = idx.shape[0]
+                losses = F.cross_entropy(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(
+                    kk, width
+                )
+                grads = torch.autograd.grad((losses * weight[t, sl]).sum(), [leaves[n] for n in names])
+                with torch.no_grad():
+                    for n, g in zip(names, grads):
+                        params[n][sl].sub_(g, alpha=lr)
+        w64 = torch.tensor(sizes, dtype=torch.float64, device=device) / sum(sizes)
+        glob = {n: torch.tensordot(w64, params[n].double(), dims=1).to(params[n].dtype) for n in names}
+        model.load_state_dict(glob)
+        with torch.no_grad():
+            acc = sum(
+                int((model(xt[s : s + 1024]).argmax(1) == yt[s : s + 1024]).sum())
+                for s in range(0, len(yt), 1024)
+            ) / len(yt)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(clock() - t0)
+    return {
+        "rounds": times,
+        "accuracy": acc,
+        "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
+        "window": [start, time.time()],
+    }
+
+
+class _StepGraph:
+    """One SGD step of ``k`` stacked clients captured as a CUDA graph (``batched_fedavg(graph=True)``)."""
+
+    def __init__(self, forward, names, glob, k, x, width, lr, device) -> None:
+        import torch
+        from torch.nn import functional as F
+
+        self.params = {n: glob[n].unsqueeze(0).expand(k, *glob[n].shape).clone() for n in names}
+        self.x = torch.zeros(
+            (2 * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=device
+        )  # room for uneven cohorts
+        self.y = torch.zeros(2 * x.shape[0], dtype=torch.long, device=device)
+        self.idx = torch.zeros(k, width, dtype=torch.long, device=device)
+        self.w = torch.zeros(k, width, dtype=x.dtype, device=device)
+
+        def step():
+            leaves = {n: self.params[n].detach().requires_grad_() for n in names}
+            out = forward(leaves, self.x[self.idx])
+            losses = F.cross_entropy(out.flatten(0, 1), self.y[self.idx].flatten(), reduction="none")
+            grads = torch.autograd.grad((losses.view(k, width) * self.w).sum(), [leaves[n] for n in names])
+            with torch.no_grad():
+                for n, g in zip(names, grads):
+                    self.params[n].sub_(g, alpha=lr)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up (zero weights: the parameters do not move)
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            step()
+
+    def run(self, glob, x, y, gather, weight) -> None:
+        if x.shape[0] > self.x.shape[0]:
+            raise ValueError("cohort larger than the captured buffers")
+        for n, p in self.params.items():
+            p.copy_(glob[n].unsqueeze(0).expand_as(p))
+        self.x[: x.shape[0]].copy_(x)
+        self.y[: y.shape[0]].copy_(y)
+        for t in range(gather.shape[0]):
+            self.idx.copy_(gather[t])
+            self.w.copy_(weight[t])
+            self.graph.replay()
 
 
 def skip_noop_numerics() -> None:
@@ -225,7 +436,7 @@ def child(variant: str, rounds: int) -> dict:
 
         va.ROUNDS = rounds
         return flower_child(va.make_server_app, va.client_app, va.NUM_CLIENTS)
-    if variant == "torch":
+    if variant in ("torch", "batched"):
         import numpy as np
 
         from fedsim.data.digits import load_digits
@@ -235,9 +446,8 @@ def child(variant: str, rounds: int) -> dict:
         ds = load_digits(seed=0)
         parts = dirichlet(ds.y_train, 20, np.random.default_rng([0, 7]), alpha=0.5)
         parts = [split_train_val(p, 0.1, np.random.default_rng([0, 8, i]))[0] for i, p in enumerate(parts)]
-        return plain_fedavg(
-            ds, parts, mlp, seed=0, per_round=10, rounds=rounds, epochs=2, batch_size=16, lr=0.1
-        )
+        loop = plain_fedavg if variant == "torch" else batched_fedavg
+        return loop(ds, parts, mlp, seed=0, per_round=10, rounds=rounds, epochs=2, batch_size=16, lr=0.1)
     raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
 
 
@@ -326,22 +536,22 @@ def _f(v, fmt: str) -> str:
 def format_rows(rows: list[tuple[str, str, dict]]) -> list[str]:
     """Table lines for ``(scenario, variant, summary)`` rows; ratios against the same scenario's torch/flower."""
     head = (
-        f"{'scenario':<10}{'variant':<20}{'wall s':>8}{'start-up s':>11}{'round 1 s':>10}{'round s':>9}"
+        f"{'scenario':<14}{'variant':<20}{'wall s':>8}{'start-up s':>11}{'round 1 s':>10}{'round s':>9}"
         f"{'peak MB':>9}{'accuracy':>9}{'torch/this':>11}{'torch/this':>11}{'flower/this':>12}"
     )
-    sub = f"{'':<30}{'':>8}{'':>11}{'':>10}{'(2..R)':>9}{'':>9}{'':>9}{'(round)':>11}{'(wall)':>11}{'(wall)':>12}"
+    sub = f"{'':<34}{'':>8}{'':>11}{'':>10}{'(2..R)':>9}{'':>9}{'':>9}{'(round)':>11}{'(wall)':>11}{'(wall)':>12}"
     lines = [head, sub]
     base = {(sc, v): s for sc, v, s in rows if "error" not in s}
     for sc, v, s in rows:
         if "error" in s:
-            lines.append(f"{sc:<10}{v:<20}failed: {s['error']}")
+            lines.append(f"{sc:<14}{v:<20}failed: {s['error']}")
             continue
         t, fl = base.get((sc, "torch")), base.get((sc, "flower"))
         r_round = t["per_round"] / s["per_round"] if t and t["per_round"] and s["per_round"] else None
         r_wall = t["wall"] / s["wall"] if t else None
         r_fl = fl["wall"] / s["wall"] if fl else None
         lines.append(
-            f"{sc:<10}{v:<20}{_f(s['wall'], '8.2f')}{_f(s['startup'], '11.2f')}{_f(s['round1'], '10.3f')}"
+            f"{sc:<14}{v:<20}{_f(s['wall'], '8.2f')}{_f(s['startup'], '11.2f')}{_f(s['round1'], '10.3f')}"
             f"{_f(s['per_round'], '9.3f')}{_f(s['peak_mb'], '9.0f')}{_f(s['accuracy'], '9.4f')}"
             f"{_f(r_round, '11.2f')}{_f(r_wall, '11.2f')}{_f(r_fl, '12.2f')}"
         )
@@ -353,34 +563,69 @@ def machine_line() -> str:
     return f"{os.cpu_count()} CPU cores, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
 
 
+class BusyNeighbour:
+    """A second process spinning on every core (``with BusyNeighbour(): ...``): a loaded machine, reproducibly."""
+
+    SPIN = "import os\nfor _ in range(os.cpu_count() - 1):\n    if os.fork() == 0: break\nwhile True: pass\n"
+
+    def __enter__(self) -> BusyNeighbour:
+        self.proc = subprocess.Popen([sys.executable, "-c", self.SPIN], start_new_session=True)
+        time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.killpg(self.proc.pid, 9)  # the spinner and its forks (their own session)
+        self.proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--variants", default="auto,inprocess,inprocess-w2,ray,flower,torch")
+    ap.add_argument("--variants", default="auto,vectorized,inprocess,inprocess-w2,ray,flower,torch,batched")
     ap.add_argument("--repeat", type=int, default=1, help="runs per variant (median reported)")
+    ap.add_argument(
+        "--load",
+        default="idle,busy",
+        help="idle: the machine as it is; busy: beside a neighbour process spinning on every core (both: idle,busy)",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="round times in wall seconds, or CPU seconds of the round's thread (steadier on a shared machine)",
+    )
     ap.add_argument("--child")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.rounds)))
         return
+    ENV["BENCH_CLOCK"] = args.clock
     before = machine_line()
-    runs: dict[str, list[dict]] = {v: [] for v in args.variants.split(",")}
+    loads = args.load.split(",")
+    runs: dict[tuple[str, str], list[dict]] = {(ld, v): [] for ld in loads for v in args.variants.split(",")}
     for _ in range(args.repeat):  # repeats interleaved: a change in the machine's load hits every variant
-        for v in runs:
-            runs[v].append(run_child([__file__, "--child", v, "--rounds", str(args.rounds)]))
-    rows = [("default", v, summarise(r)) for v, r in runs.items()]
+        for ld, v in runs:
+            argv = [__file__, "--child", v, "--rounds", str(args.rounds)]
+            if ld == "busy":
+                with BusyNeighbour():
+                    runs[ld, v].append(run_child(argv))
+            else:
+                runs[ld, v].append(run_child(argv))
+    rows = [("default" if ld == "idle" else f"default+{ld}", v, summarise(r)) for (ld, v), r in runs.items()]
     print(
         f"\ndefault experiment (digits, MLP, 20 clients, 10 per round, {args.rounds} rounds); each variant in a "
-        f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}"
+        f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}; default+busy: beside "
+        f"a process spinning on every core; round times: {args.clock} clock"
     )
     print("\n".join(format_rows(rows)))
     print(
         "start-up: wall time outside the rounds (imports, data, partitions, workers or Ray, first evaluation, exit). "
         "torch/this: plain torch's time / this one's (1.0 = no overhead); flower/this: times faster than vanilla "
         "Flower run_simulation (its ClientApp caches the data set and partitions per process, as Flower's "
-        "quickstart does)."
+        "quickstart does). batched: the hand-batched torch limit (batched_fedavg)."
     )
-    print("\n".join(goals(rows, "default")))
+    for sc in dict.fromkeys(sc for sc, _, _ in rows):
+        print("\n".join(goals(rows, sc)))
 
 
 def goals(rows: list[tuple[str, str, dict]], scenario: str, round_goal: float = 0.9) -> list[str]:
@@ -394,6 +639,15 @@ def goals(rows: list[tuple[str, str, dict]], scenario: str, round_goal: float = 
             f"({scenario}) plain torch / auto (default engine), time per round: {r:.2f} "
             f"(goal >= {round_goal}: {'met' if r >= round_goal else 'NOT met'})"
         )
+    lim = got.get("batched")
+    for name in ("auto", "vectorized"):
+        mine = got.get(name)
+        if mine and lim and mine["per_round"] and lim["per_round"]:
+            r = lim["per_round"] / mine["per_round"]
+            out.append(
+                f"({scenario}) batched torch limit / {name}, time per round: {r:.2f} "
+                f"(goal >= 0.8: {'met' if r >= 0.8 else 'NOT met'})"
+            )
     if auto and fl and scenario == "default":
         r = fl["wall"] / auto["wall"]
         out.append(

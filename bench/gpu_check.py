@@ -10,8 +10,12 @@ Each check runs in a fresh process. In order (the time budget drops the last one
    spread over the visible GPUs; an injected out-of-memory error shrinks the vectorized batch and the run
    completes with the same model.
 3. **timing**: 100 clients per round of the CIFAR-size CNN, per client (``inprocess``) against ``vectorized``
-   against a plain torch loop, with GPU busy fraction (``nvidia-smi`` sampled every 0.2 s), the peak GPU memory of
-   every process (``nvidia-smi --query-compute-apps``), peak RSS, and how many clients trained batched.
+   (its eager steps; ``vectorized-graph``: the steps replayed as CUDA graphs, the default on a GPU) against a
+   plain torch loop and the batched limits (``limit-eager``: one ``vmap`` loop, data on the device;
+   ``limit-graph``: its step as a CUDA graph), also for 1,000 clients a round (``k1000-*``) and for 450 examples
+   a client and 5 epochs (``real-*``, 145 steps); with GPU busy fraction (``nvidia-smi`` sampled every 0.2 s),
+   the peak GPU memory of every process (``nvidia-smi --query-compute-apps``), peak RSS, and how many clients
+   trained batched. Section 4 prints the speed targets (fedsim's round against the limits), met or not.
 
     python bench/gpu_check.py             # on a CUDA machine, about 3-5 minutes
     python bench/gpu_check.py --dry-run   # every path of the script on the CPU, small sizes (checks the script)
@@ -38,6 +42,24 @@ CIFAR = ["dataset=synthetic_images", "dataset.shape=[3,32,32]", "model=cnn", "pa
 MLP = ["num_clients=20", "clients_per_round=10", "num_rounds=3"]
 CNN_AGREE = [*CIFAR, "num_clients=20", "clients_per_round=10", "num_rounds=2", "client.local_steps=3"]
 CNN_TIME = [*CIFAR, "num_clients=1000", "clients_per_round=100", "num_rounds=6", "dataset.num_train=50000"]
+WORKLOADS = {  # the timing workloads of the speed targets (issue: small, 1,000 clients a round, realistic)
+    "small": CNN_TIME,  # 45 examples a client, batch 16, 2 epochs = 6 steps
+    "k1000": [
+        *CIFAR,
+        "num_clients=1000",
+        "clients_per_round=1000",
+        "num_rounds=3",
+        "dataset.num_train=50000",
+    ],
+    "real": [  # 450 examples a client, 5 epochs = 145 steps
+        *CIFAR,
+        "num_clients=100",
+        "clients_per_round=100",
+        "num_rounds=3",
+        "dataset.num_train=50000",
+        "client.local_epochs=5",
+    ],
+}
 SMALL = {  # --dry-run: the same checks, CPU-sized
     "agree-mlp": ["num_rounds=2"],
     "agree-cnn": ["num_clients=6", "clients_per_round=3", "dataset.num_train=600", "dataset.num_test=100"],
@@ -97,18 +119,40 @@ def _run(overrides: list[str], out: Path, count_batched: bool = False) -> dict:
     }
 
 
+def _fail_fast(vectorized) -> None:
+    """A batched group that fails raises here instead of rerunning its clients one by one (a check of the
+    CUDA-graph path must not spend minutes in the sequential fallback)."""
+    attempt = vectorized.VectorizedGrid._attempt
+
+    def strict(self, item):
+        out = attempt(self, item)
+        if out[2] is not None:
+            raise RuntimeError(f"batched training failed: {out[2]}")
+        return out
+
+    vectorized.VectorizedGrid._attempt = strict
+
+
 def _max_rel(a: dict, b: dict) -> float:
 
     return max(float((a[k].double() - b[k].double()).norm() / (a[k].double().norm() + 1e-12)) for k in a)
 
 
-def child_agree(name: str, device: str, deterministic: bool, small: bool) -> dict:
-    """inprocess against vectorized on ``device``: the largest relative model difference and the tolerance."""
+def child_agree(name: str, device: str, deterministic: bool, small: bool, graph: bool = False) -> dict:
+    """inprocess against vectorized on ``device``: the largest relative model difference and the tolerance.
+    ``graph``: the vectorized engine replays its steps as CUDA graphs (``vectorized.CUDA_GRAPHS``)."""
     import torch
 
     from fedsim import build
+    from fedsim.engines import vectorized
+
+    vectorized.CUDA_GRAPHS = vectorized.CUDA_GRAPHS_DENSE = graph
+    if graph:
+        _fail_fast(vectorized)
 
     over = MLP if name == "agree-mlp" else CNN_AGREE
+    if graph and name == "agree-mlp":  # every client the same steps, so that the graph path runs
+        over = [*over, "client.local_steps=5", "partitioner=iid"]
     over = [
         *over,
         *(SMALL[name] if small else []),
@@ -185,16 +229,40 @@ def child_placement(device: str, small: bool) -> dict:
     }
 
 
-def child_time(variant: str, device: str, small: bool) -> dict:
-    """One timing run of the CIFAR-size CNN (fedsim engine or plain torch)."""
+def child_time(variant: str, device: str, small: bool, workload: str = "small") -> dict:
+    """One timing run of the CIFAR-size CNN: a fedsim engine, plain torch, or the batched limits
+    (``limit-eager``: the cohort's steps as one ``vmap(functional_call)`` loop, data on the device;
+    ``limit-graph``: the same step captured once as a CUDA graph and replayed)."""
     import torch
 
     over = [
-        *CNN_TIME,
+        *WORKLOADS[workload],
         *(SMALL["time"] if small else []),
         f"placement.device={device}",
         f"placement.server_device={device}",
     ]
+    if variant.startswith("limit"):
+        from fedsim import build
+        from fedsim.config import compose
+
+        cfg = compose(*over)
+        spec = json.loads(build.client_spec(cfg, device=device))
+        local = build.local_training(spec)
+        ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+        return bench.batched_fedavg(
+            ds,
+            train,
+            build.model_factory(spec),
+            seed=int(cfg.seed),
+            per_round=int(cfg.clients_per_round),
+            rounds=int(cfg.num_rounds),
+            epochs=local.local_epochs,
+            batch_size=local.batch_size,
+            lr=local.lr,
+            device=device,
+            forward_kind="vmap",
+            graph=variant == "limit-graph" and device != "cpu",
+        )
     if variant == "torch":
         from fedsim import build
         from fedsim.config import compose
@@ -215,13 +283,15 @@ def child_time(variant: str, device: str, small: bool) -> dict:
             lr=local.lr,
             device=device,
         )
-    extra = (
-        ["engine=vectorized", "engine.vmap_conv_cpu=true"]
-        if variant == "vectorized"
-        else ["engine=inprocess"]
-    )
+    from fedsim.engines import vectorized
+
+    vectorized.CUDA_GRAPHS = vectorized.CUDA_GRAPHS_DENSE = variant == "vectorized-graph"
+    if vectorized.CUDA_GRAPHS:
+        _fail_fast(vectorized)
+    batched = variant.startswith("vectorized")
+    extra = ["engine=vectorized", "engine.vmap_conv_cpu=true"] if batched else ["engine=inprocess"]
     with tempfile.TemporaryDirectory() as tmp:
-        res = _run([*over, *extra], Path(tmp) / "run", count_batched=variant == "vectorized")
+        res = _run([*over, *extra], Path(tmp) / "run", count_batched=batched)
     res.pop("model")
     if torch.cuda.is_available():
         res["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -288,20 +358,31 @@ CHECKS = [  # (name, child args, section)
     ("agree-mlp", ["agree", "agree-mlp", "1"], "correctness"),
     ("agree-cnn-deterministic", ["agree", "agree-cnn", "1"], "correctness"),
     ("agree-cnn-fast", ["agree", "agree-cnn", "0"], "correctness"),
+    ("agree-cnn-graph", ["agree", "agree-cnn", "1", "graph"], "correctness"),
+    ("agree-mlp-graph", ["agree", "agree-mlp", "1", "graph"], "correctness"),
     ("placement", ["placement"], "placement"),
     ("time-inprocess", ["time", "inprocess"], "timing"),
     ("time-vectorized", ["time", "vectorized"], "timing"),
+    ("time-vectorized-graph", ["time", "vectorized-graph"], "timing"),
     ("time-torch", ["time", "torch"], "timing"),
+    ("time-limit-eager", ["time", "limit-eager"], "timing"),
+    ("time-limit-graph", ["time", "limit-graph"], "timing"),
+    ("k1000-vectorized", ["time", "vectorized", "k1000"], "targets"),
+    ("k1000-limit-eager", ["time", "limit-eager", "k1000"], "targets"),
+    ("real-vectorized", ["time", "vectorized", "real"], "targets"),
+    ("real-vectorized-graph", ["time", "vectorized-graph", "real"], "targets"),
+    ("real-limit-eager", ["time", "limit-eager", "real"], "targets"),
+    ("real-limit-graph", ["time", "limit-graph", "real"], "targets"),
 ]
 
 
 def child(args: list[str], device: str, small: bool) -> dict:
     kind = args[0]
     if kind == "agree":
-        return child_agree(args[1], device, args[2] == "1", small)
+        return child_agree(args[1], device, args[2] == "1", small, graph=args[3:] == ["graph"])
     if kind == "placement":
         return child_placement(device, small)
-    return child_time(args[1], device, small)
+    return child_time(args[1], device, small, args[2] if len(args) > 2 else "small")
 
 
 def main() -> None:
@@ -311,6 +392,9 @@ def main() -> None:
     ap.add_argument("--child", nargs="+")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument(
+        "--budget", type=float, default=BUDGET_S, help="stop starting checks after this many seconds"
+    )
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.device, args.small)))
@@ -332,7 +416,7 @@ def main() -> None:
     for name, child_args, section in CHECKS:
         if args.only and name not in args.only.split(","):
             continue
-        left = BUDGET_S - (time.perf_counter() - t0)
+        left = args.budget - (time.perf_counter() - t0)
         if left < 20:
             results[name] = {"error": "skipped: time budget spent"}
             continue
@@ -344,7 +428,13 @@ def main() -> None:
         print(f"  {section}/{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"\nfedsim GPU check on {where}; {bench.machine_line()}")
     print("\n1. correctness (inprocess vs vectorized, final models)")
-    for name in ("agree-mlp", "agree-cnn-deterministic", "agree-cnn-fast"):
+    for name in (
+        "agree-mlp",
+        "agree-cnn-deterministic",
+        "agree-cnn-fast",
+        "agree-cnn-graph",
+        "agree-mlp-graph",
+    ):
         r = results.get(name)
         if r is None:
             continue
@@ -376,7 +466,7 @@ def main() -> None:
                 f"  injected OOM: batch sizes tried {r['oom_batch_sizes']}, same model as without: "
                 f"{r['oom_same_model']} ({'OK' if ok else 'MISMATCH'})"
             )
-    timing = {n: results[n] for n in ("time-inprocess", "time-vectorized", "time-torch") if n in results}
+    timing = {n: results[n] for n, _, sec in CHECKS if sec in ("timing", "targets") and n in results}
     if timing:
         print(
             "\n3. timing: CIFAR-size CNN (3x32x32), 100 clients per round"
@@ -396,16 +486,61 @@ def main() -> None:
             per = _median(r.get("rounds"))
             ratio = base_round / per if base_round and per else None
             busy = r.get("busy")
-            batched = f"{r['batched']}/{r['trained']}" if name == "time-vectorized" else "-"
+            batched = f"{r['batched']}/{r['trained']}" if "batched" in r else "-"
             print(
                 f"  {name:<18}{_fmt(per, '9.3f')}{_fmt(ratio, '11.2f')}{_fmt(busy, '9.0%')}"
                 f"{_fmt(r.get('busy_rounds'), '10.0%')}"
                 f"{_fmt(r.get('peak_mb'), '12.0f')}{batched:>10}  {r.get('proc_mb') or '-'}"
             )
+    lines, missed = targets(results)
+    if lines:
+        print("\n4. speed targets (fedsim's round against the batched limits measured above, same run)")
+        print("\n".join(lines))
     print(
         f"\ntotal {time.perf_counter() - t0:.0f} s; {'all checks passed' if not failed else f'{failed} check(s) failed'}"
     )
     sys.exit(1 if failed else 0)
+
+
+TARGETS = [  # (what, fedsim's check, the limit's check, most fedsim/limit, least GPU busy in fedsim's rounds)
+    ("100 clients, 6 steps: fedsim / eager vmap limit", "time-vectorized", "time-limit-eager", 1.5, 0.5),
+    (
+        "100 clients, 6 steps: fedsim graph / eager limit",
+        "time-vectorized-graph",
+        "time-limit-eager",
+        1.5,
+        0.5,
+    ),
+    ("1,000 clients, 6 steps: fedsim / eager vmap limit", "k1000-vectorized", "k1000-limit-eager", 1.3, 0.5),
+    ("100 clients, 145 steps: fedsim / CUDA-graph limit", "real-vectorized", "real-limit-graph", 1.5, 0.7),
+    (
+        "100 clients, 145 steps: fedsim graph / graph limit",
+        "real-vectorized-graph",
+        "real-limit-graph",
+        1.5,
+        0.7,
+    ),
+    ("100 clients, 6 steps: eager limit / graph limit", "time-limit-eager", "time-limit-graph", None, None),
+    ("100 clients, 145 steps: eager limit / graph limit", "real-limit-eager", "real-limit-graph", None, None),
+]
+
+
+def targets(results: dict) -> tuple[list[str], int]:
+    """One line per speed target: the ratio of round times (median of rounds 2..R), GPU busy, met or not."""
+    lines, missed = [], 0
+    for what, ours, limit, most, busy_min in TARGETS:
+        a, b = results.get(ours, {}), results.get(limit, {})
+        ra, rb = _median(a.get("rounds")), _median(b.get("rounds"))
+        if not ra or not rb:
+            continue
+        ratio, busy = ra / rb, a.get("busy_rounds")
+        line = f"  {what:<52}{ra * 1e3:9.1f} ms / {rb * 1e3:7.1f} ms = {ratio:5.2f}x"
+        if most is not None:
+            ok = ratio <= most and (busy is None or busy >= busy_min)
+            missed += not ok
+            line += f" (goal <= {most}x, GPU busy {_fmt(busy, '.0%')} goal >= {busy_min:.0%}: {'met' if ok else 'NOT met'})"
+        lines.append(line)
+    return lines, missed
 
 
 def _mean(xs):

@@ -60,8 +60,8 @@ FEDSIM = {
     "inprocess-pop1e4": ["engine=inprocess", "num_clients=10000", "dataset.num_train=200000"],
 }
 DEFAULT_VARIANTS = {
-    "a": "auto,auto-2threads,inprocess,inprocess-w2,vectorized-vmap,ray,flower,torch",
-    "b": "auto,inprocess,inprocess-w2,ray,flower,torch",
+    "a": "auto,auto-2threads,inprocess,inprocess-w2,vectorized-vmap,ray,flower,torch,batched",
+    "b": "auto,inprocess,inprocess-w2,ray,flower,torch,batched",
     # ray is left out of (c): fedsim's discovery sends one query per node through Ray (10^5 Ray calls)
     "c": "auto,inprocess,inprocess-pop1e4,inprocess-w2,flower,torch",
 }
@@ -198,9 +198,13 @@ def child(scenario: str, variant: str, rounds: int, small: bool, extra: tuple[st
     spec = json.loads(build.client_spec(cfg, device="cpu"))
     local = build.local_training(spec)
     per_round = int(cfg.clients_per_round)
-    if variant == "torch":
+    if variant in (
+        "torch",
+        "batched",
+    ):  # batched: the hand-batched torch limit (grouped convolutions, chunks of 8)
         ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
-        return bench.plain_fedavg(
+        loop = bench.plain_fedavg if variant == "torch" else functools.partial(bench.batched_fedavg, chunk=8)
+        return loop(
             ds,
             train,
             build.model_factory(spec),

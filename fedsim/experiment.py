@@ -7,7 +7,9 @@ rebuilds a client's data and model once per process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -25,11 +27,14 @@ from fedsim.clock import Heterogeneity
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.groups import EngineSettings, Placement, typed
+from fedsim.messages import global_state
 from fedsim.state import LoopConfig
 from fedsim.strategies import base
 from fedsim.tasks import CLASSIFICATION, Task
 from fedsim.training import evaluate
 from fedsim.validate import clients_per_round, validate
+
+log = logging.getLogger("fedsim")
 
 
 @dataclass
@@ -92,8 +97,25 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
             raise e.with_prefix("strategy") from None
     # deployed clients and Ray's actors resolve placement.device in their own processes
     remote = deployed or engine.name == "ray"
+    local = build.local_training(spec)
+    if not remote and "auto" in (placement.device, placement.server_device):
+        placement = auto_placement(placement, model, ds, local, m, int(cfg.num_clients))
+        spec["device"] = placement.device
+        spec_json = json.dumps(spec, sort_keys=True)
     client_device = "cpu" if remote else build.resolve_device(placement.device)
-    check_memory(model, m, ds.x_train.nbytes + ds.x_test.nbytes, client_device)
+    batched = not remote and engine.name in ("auto", "vectorized")
+    fit = check_memory(
+        model,
+        m,
+        ds.x_train.nbytes + ds.x_test.nbytes,
+        client_device,
+        batched=(local, ds.x_train[:1], float(cfg.strategy.get("proximal_mu") or 0.0)) if batched else None,
+    )
+    if batched and fit < (engine.max_cohort or m):
+        log.info(
+            "memory: %d clients per batched step on %s (split before the first round)", fit, client_device
+        )
+        engine = dataclasses.replace(engine, max_cohort=fit)
     server_device = build.resolve_device(placement.server_device, "placement.server_device")
     loop = LoopConfig(
         seed=int(cfg.seed),
@@ -192,29 +214,107 @@ def check_objective(cfg: DictConfig, task: Task) -> None:
         )
 
 
-def check_memory(model: torch.nn.Module, cohort: int, data_bytes: int, device: str) -> None:
-    """Refuse a cohort whose rough memory estimate exceeds what the machine (or GPU) has free.
+def check_memory(
+    model: torch.nn.Module, cohort: int, data_bytes: int, device: str, batched: tuple | None = None
+) -> int:
+    """Refuse a cohort whose memory estimate exceeds what the machine (or GPU) has free; return how many
+    clients a batched step may hold (``cohort`` when all fit).
 
-    Estimate: every sampled client's reply (one model copy each) plus a few global copies for aggregation and
-    the data set; on a GPU, the same for the clients' models and optimiser state.
+    Estimate: every sampled client's reply (one model copy each), a few global copies for aggregation and the
+    data set; with ``batched = (local training, one example, proximal mu)`` (the vectorized engine), also the
+    engine's own estimate of what each client of a batched step holds (weights, gradients, optimiser state,
+    activations: ``fedsim.engines.vectorized.client_bytes``). A cohort whose batched step does not fit is split
+    into steps of the clients that do (the return value); only one that cannot fit one client is refused.
     """
     model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     need = model_bytes * (cohort + 4) + data_bytes
+    per_client = 0
+    if batched is not None:
+        from fedsim.engines.vectorized import client_bytes
+
+        local, example, mu = batched
+        if local.batch_size and len(example):  # (full batch: the engine checks each cohort's width itself)
+            per_client = client_bytes(model, torch.as_tensor(example)[0], local, local.batch_size, mu)
     try:
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        return
+        return cohort
     where = "RAM"
     if device.startswith("cuda") and torch.cuda.is_available():
         avail, _ = torch.cuda.mem_get_info(torch.device(device))
         where = "GPU memory"
-    if need > avail:
+    if need + per_client > avail:
         raise ConfigError(
             "clients_per_round",
             cohort,
-            f"a cohort that fits: about {need / 2**30:.1f} GiB needed, {avail / 2**30:.1f} GiB {where} free",
+            f"a cohort that fits: about {(need + per_client) / 2**30:.1f} GiB needed with one client per batched "
+            f"step, {avail / 2**30:.1f} GiB {where} free",
             "Sample fewer clients per round or use a smaller model.",
         )
+    if not per_client:
+        return cohort
+    return int(max(1, min(cohort, (0.8 * avail - need) // per_client)))
+
+
+AUTO_GPU_FLOP = 2e9  # placement=auto: a round's client training above this many FLOP runs on the GPU
+
+
+def training_flop(model: torch.nn.Module, example: torch.Tensor) -> float:
+    """About the FLOP of one training example: 6 per multiply-add of the Linear and Conv layers (forward 2,
+    backward 4), counted on one forward pass."""
+    macs = 0
+
+    def count(m, _inp, out):
+        nonlocal macs
+        if isinstance(m, torch.nn.Linear):
+            macs += out.numel() * m.in_features
+        else:
+            macs += out.numel() * (m.in_channels // m.groups) * math.prod(m.kernel_size)
+
+    kinds = (torch.nn.Linear, torch.nn.modules.conv._ConvNd)
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, kinds)]
+    try:
+        with torch.no_grad():
+            model(example.unsqueeze(0))
+    finally:
+        for h in hooks:
+            h.remove()
+    return 6.0 * macs
+
+
+def auto_placement(
+    placement: Placement, model: torch.nn.Module, ds: Dataset, local, cohort: int, num_clients: int
+) -> Placement:
+    """``placement.device`` / ``server_device`` ``auto``: the GPU when one is visible and a round's client
+    training is big enough to gain from it (above :data:`AUTO_GPU_FLOP`), else the CPU; logged in the run's
+    first lines. Measured: the default experiment (an MLP, 10 clients of ~65 examples, ~4e7 FLOP a round) took
+    3.09 s on an H200 against 1.57 s on the same box's CPU; the CIFAR-size CNN with 100 clients (~1e11) is many
+    times faster on the GPU."""
+    if not torch.cuda.is_available():
+        log.info("placement=auto: cpu (no GPU visible)")
+        return dataclasses.replace(
+            placement,
+            device="cpu" if placement.device == "auto" else placement.device,
+            server_device="cpu" if placement.server_device == "auto" else placement.server_device,
+        )
+    per_client = ds.x_train.shape[0] / max(num_clients, 1)
+    if local.local_steps > 0:
+        examples = local.local_steps * (local.batch_size or per_client)
+    else:
+        examples = local.local_epochs * per_client
+    flop = training_flop(model, torch.as_tensor(ds.x_train[:1])[0]) * examples * cohort
+    device = "cuda" if flop > AUTO_GPU_FLOP else "cpu"
+    log.info(
+        "placement=auto: %s (about %.1g FLOP of client training a round; the GPU above %.0g)",
+        device,
+        flop,
+        AUTO_GPU_FLOP,
+    )
+    return dataclasses.replace(
+        placement,
+        device=device if placement.device == "auto" else placement.device,
+        server_device=device if placement.server_device == "auto" else placement.server_device,
+    )
 
 
 def make_evaluator(
@@ -225,7 +325,8 @@ def make_evaluator(
     xt, yt = torch.as_tensor(x, device=device), torch.as_tensor(y, device=device)
 
     def evaluate_fn(arrays: ArrayRecord) -> tuple[float, float]:
-        model.load_state_dict(arrays.to_torch_state_dict())
+        # parsed once per record: the next round's clients get the same record (local engines)
+        model.load_state_dict(global_state(arrays))
         return evaluate(model, xt, yt, task=task)
 
     return evaluate_fn

@@ -29,6 +29,7 @@ than per client. If batched training raises, its clients are rerun sequentially.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -43,9 +44,9 @@ from torch.func import functional_call, vmap
 
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
-from fedsim.engines import grouped
+from fedsim.engines import dense, grouped
 from fedsim.engines.pool import PoolGrid
-from fedsim.messages import parse_train, train_reply
+from fedsim.messages import global_state, parse_train, train_reply
 from fedsim.tasks import CLASSIFICATION
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 
@@ -74,7 +75,7 @@ def schedule(
     out: list[torch.Tensor] = []
     while len(out) < steps:
         order = torch.randperm(n, generator=gen)  # one pass over the data
-        out.extend(order[s : s + bs] for s in range(0, n, bs))
+        out.extend(order.split(bs))
         del out[steps:]
     return out
 
@@ -217,11 +218,13 @@ class VectorizedGrid(PoolGrid):
         if reason is not None:
             self._skip(reason)
             return None
-        if id(arrays) not in starts:
-            starts[id(arrays)] = (arrays, arrays.to_torch_state_dict())
-        start = starts[id(arrays)][1]
-        shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
-        if {n: tuple(t.shape) for n, t in start.items()} != shapes:
+        if id(arrays) not in starts:  # parsed once per record (shared with the server's evaluation)
+            starts[id(arrays)] = (arrays, global_state(arrays), {})
+        _, start, fits = starts[id(arrays)]
+        if id(task.model) not in fits:
+            shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
+            fits[id(task.model)] = {n: tuple(t.shape) for n, t in start.items()} == shapes
+        if not fits[id(task.model)]:
             return None  # the ClientApp's strict load reports the mismatch
         batches = schedule(
             int(task.x_train.shape[0]), task.local, ins.generator(task.seed, task.partition_id), ins.max_steps
@@ -343,79 +346,92 @@ _ACTIVATIONS: dict[tuple, int] = {}
 def estimate_bytes(
     model: nn.Module, x: torch.Tensor, members: list[_Client], local: LocalTraining, mu: float
 ) -> int:
-    """Peak bytes one more client adds to a batched step: its weights, gradients, optimiser state and FedProx
-    anchor, plus its activations (one example's, times the batch width, twice: forward and backward)."""
+    """Peak bytes one more client adds to a batched step (:func:`client_bytes`, at the cohort's batch width)."""
+    width = max((len(c.batches[0]) for c in members if c.batches), default=1)
+    return client_bytes(model, x[0] if x.shape[0] else None, local, width, mu)
+
+
+def client_bytes(
+    model: nn.Module, example: torch.Tensor | None, local: LocalTraining, width: int, mu: float
+) -> int:
+    """Peak bytes one client adds to a batched step: its weights, gradients, optimiser state and FedProx
+    anchor, plus its activations (one example's, times the batch width, twice: forward and backward).
+    The run's pre-flight memory check uses the same estimate (``fedsim.experiment.check_memory``)."""
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = 2 + (local.optimizer in ("momentum", "nesterov")) + (mu > 0)  # weights, grads, momentum, anchor
-    width = max((len(c.batches[0]) for c in members if c.batches), default=1)
-    per_example = activation_bytes(model, x[0]) if x.shape[0] else 0
+    per_example = activation_bytes(model, example) if example is not None else 0
     return copies * param_bytes + 2 * width * per_example
+
+
+_DENSE: dict[tuple, dense.DenseStep | None] = {}  # (model id, task) -> the model's hand-written batched step
+
+
+def _dense_step(model: nn.Module, task) -> dense.DenseStep | None:
+    """The hand-written batched step of an MLP (``fedsim.engines.dense``), or None for other models."""
+    key = (id(model), task)
+    if key not in _DENSE:
+        _DENSE[key] = dense.DenseStep(model, task) if dense.supports(model) else None
+    return _DENSE[key]
+
+
+@functools.lru_cache(maxsize=1024)
+def _slots(lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step index, slot in the batch and loss weight of every example of a client whose steps have ``lens``."""
+    counts = torch.tensor(lens)
+    step = torch.repeat_interleave(torch.arange(len(lens)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+    return step, slot, torch.repeat_interleave(1.0 / counts.double(), counts)
+
+
+def cohort_batches(
+    members: list[_Client], steps: int, width: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cohort's data in one tensor, and the gather index and loss weight of every (step, client, slot):
+    ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``."""
+    offsets = np.cumsum([0] + [int(c.task.x_train.shape[0]) for c in members])
+    x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
+    y = torch.cat([c.task.y_train for c in members])
+    t_all, i_all, s_all, v_all, w_all = [], [], [], [], []
+    for i, c in enumerate(members):
+        step, slot, w = _slots(tuple(len(b) for b in c.batches))
+        t_all.append(step)
+        s_all.append(slot)
+        w_all.append(w)
+        i_all.append(torch.full_like(step, i))
+        v_all.append(torch.cat(c.batches).cpu() + int(offsets[i]))
+    where = (torch.cat(t_all), torch.cat(i_all), torch.cat(s_all))
+    gather = torch.zeros(steps, len(members), width, dtype=torch.long).index_put_(where, torch.cat(v_all))
+    weight = torch.zeros(steps, len(members), width, dtype=x.dtype).index_put_(
+        where, torch.cat(w_all).to(x.dtype)
+    )
+    return x, y, gather.to(device), weight.to(device)
+
+
+def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict[str, torch.Tensor]:
+    """The clients' start parameters as ``(clients, *shape)`` tensors on ``device`` (one copy of a start
+    model the whole cohort shares, expanded)."""
+    k = len(members)
+    first = members[0].start
+    if all(c.start is first for c in members):
+        out = {}
+        for n in names:
+            p = first[n].to(device)
+            out[n] = p.unsqueeze(0).expand(k, *p.shape).clone()
+        return out
+    return {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}
 
 
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> dict[str, Message]:
     """Batched local training of clients sorted by step count (descending); replies keyed by message id."""
-    model = members[0].task.model
-    learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
-    names = [n for n, _ in model.named_parameters()]
-    k_all, steps = len(members), len(members[0].batches)
-    width = max(len(b) for c in members for b in c.batches)
-    active = [sum(len(c.batches) > t for c in members) for t in range(steps)]
-    # the cohort's data in one tensor; gather index and loss weight of every (step, client, slot)
-    offsets = np.cumsum([0] + [int(c.task.x_train.shape[0]) for c in members])
-    x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
-    y = torch.cat([c.task.y_train for c in members])
-    gather = torch.zeros(steps, k_all, width, dtype=torch.long)
-    weight = torch.zeros(steps, k_all, width, dtype=x.dtype)
-    for i, c in enumerate(members):
-        for t, idx in enumerate(c.batches):
-            gather[t, i, : len(idx)] = idx + int(offsets[i])
-            weight[t, i, : len(idx)] = 1.0 / len(idx)
-    gather, weight = gather.to(device), weight.to(device)
-    params = {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}  # (clients, *shape)
-    anchor = {n: p.clone() for n, p in params.items()} if mu > 0 else None
-    bufs: dict[str, torch.Tensor] = {}
-    use_momentum = local.optimizer in ("momentum", "nesterov")
-    loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
-    forward = (
-        grouped.grouped_forward(model)
-        if torch.device(device).type == "cpu" and grouped.supports(model)
-        else vmap(lambda p, xb: functional_call(model, p, (xb,)))
-    )
-    model.train()
-    for t in range(steps):
-        k = active[t]
-        idx = gather[t, :k]  # (k, width)
-        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
-        out = forward(leaves, x[idx])  # (k, width, classes)
-        losses = learnt.loss(out.flatten(0, 1), y[idx].flatten(), reduction="none").view(k, width)
-        per_client = (losses * weight[t, :k]).sum(1)  # (k,) each client's mean batch loss
-        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
-        with torch.no_grad():
-            loss_sum[:k] += per_client.double()
-            for n, g in zip(names, grads):
-                p = params[n][:k]
-                if anchor is not None:
-                    g = g + mu * (p - anchor[n][:k])
-                if local.weight_decay != 0:
-                    g = g.add(p, alpha=local.weight_decay)
-                if use_momentum:
-                    if t == 0:  # every client takes a first step
-                        bufs[n] = g.clone()
-                    else:
-                        bufs[n][:k].mul_(local.momentum).add_(g)
-                    g = (
-                        g.add(bufs[n][:k], alpha=local.momentum)
-                        if local.optimizer == "nesterov"
-                        else bufs[n][:k]
-                    )
-                p.add_(g, alpha=-local.lr)
-    losses = loss_sum.cpu().tolist()
+    names = [n for n, _ in members[0].task.model.named_parameters()]
+    params, losses = train_stacked(members, local, device, mu)
+    final = {n: params[n].detach().cpu() for n in names}  # one copy off the device for the whole cohort
     replies = {}
     for i, c in enumerate(members):
-        state = {n: params[n][i].detach().cpu() for n in names}
         replies[c.msg.metadata.message_id] = train_reply(
             c.msg,
-            state,
+            {n: final[n][i] for n in names},
             num_examples=int(c.task.x_train.shape[0]),
             loss=losses[i] / len(c.batches),
             partition_id=c.task.partition_id,
@@ -423,3 +439,164 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
             examples_processed=sum(len(b) for b in c.batches),
         )
     return replies
+
+
+# Capture a cohort's SGD step as a CUDA graph where shapes repeat (see train_stacked). Measured on an H200
+# (bench/gpu_check.py, CIFAR-size CNN, 100 clients of 450 examples, 145 steps): 1.46 s -> 0.86 s a round,
+# the same models as per-client training (3e-8). A capture that fails falls back to the eager batched steps.
+CUDA_GRAPHS = True
+# The MLPs' hand-written step (fedsim.engines.dense) under a graph: equal to its eager form on the CPU (test), not
+# yet run on a GPU (bench/gpu_check.py agree-mlp-graph checks it); off until it has been.
+CUDA_GRAPHS_DENSE = False
+_GRAPHS: dict[tuple, _StepGraph | None] = {}  # None: capture failed for that key, eager from then on
+
+
+def train_stacked(
+    members: list[_Client], local: LocalTraining, device: str, mu: float, graph: bool | None = None
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The batched steps of clients sorted by step count (descending): their final parameters stacked
+    ``(clients, *shape)`` on ``device``, by name, and each client's summed loss over its steps.
+
+    Only ``task`` (model, loss, data), ``start`` and ``batches`` of the members are read. ``graph`` (default:
+    :data:`CUDA_GRAPHS` on a CUDA device): when every client takes the same number of steps (every step has
+    the same shapes), one step is captured as a CUDA graph on static buffers and replayed for every step (on
+    the CPU, ``graph=True`` runs the same static-buffer step without capture: the tests' check of its math).
+    """
+    model = members[0].task.model
+    learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
+    names = [n for n, _ in model.named_parameters()]
+    k_all, steps = len(members), len(members[0].batches)
+    width = max(len(b) for c in members for b in c.batches)
+    active = [sum(len(c.batches) > t for c in members) for t in range(steps)]
+    x, y, gather, weight = cohort_batches(members, steps, width, device)
+    params = _stack_starts(members, names, device)  # (clients, *shape)
+    anchor = {n: p.clone() for n, p in params.items()} if mu > 0 else None
+    step = _dense_step(model, learnt)
+    forward = None
+    if step is None:
+        forward = (
+            grouped.grouped_forward(model)
+            if torch.device(device).type == "cpu" and grouped.supports(model)
+            else vmap(lambda p, xb: functional_call(model, p, (xb,)))
+        )
+    model.train()
+    cuda = torch.device(device).type == "cuda"
+    if graph is None:
+        graph = CUDA_GRAPHS and cuda and (step is None or CUDA_GRAPHS_DENSE)
+    sgd = functools.partial(_sgd_step, step, forward, learnt, names, local, mu)
+    if graph and active[-1] == k_all:  # every client takes every step: the shapes repeat
+        key = (
+            id(model),
+            learnt,
+            k_all,
+            width,
+            _capacity(x.shape[0]),
+            x.shape[1:],
+            x.dtype,
+            local,
+            mu,
+            device,
+        )
+        if key not in _GRAPHS:
+            if len(_GRAPHS) >= 16:
+                _GRAPHS.clear()
+            try:
+                _GRAPHS[key] = _StepGraph(sgd, params, anchor, k_all, width, x, y, capture=cuda)
+            except (RuntimeError, NotImplementedError) as exc:
+                log.warning("vectorized engine: CUDA graph capture failed (%s); eager batched steps", exc)
+                _GRAPHS[key] = None
+        if _GRAPHS[key] is not None:
+            return _GRAPHS[key].run(params, anchor, x, y, gather, weight)
+    bufs = {n: torch.zeros_like(p) for n, p in params.items()} if local.optimizer != "sgd" else {}
+    loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
+    for t in range(steps):
+        k = active[t]
+        idx = gather[t, :k]  # (k, width)
+        sgd(params, bufs, anchor, loss_sum, x[idx], y[idx], weight[t, :k])
+    return params, loss_sum.cpu().tolist()
+
+
+def _capacity(n: int) -> int:
+    """Rows of a static data buffer for ``n`` examples (a power of two: uneven cohorts reuse one graph)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:
+    """One SGD step of the first ``k = len(w)`` clients in place: gradients (the dense step, or autograd
+    through ``forward``), FedProx's term, weight decay, momentum / Nesterov (buffers start at zero, so the
+    first step's buffer is the gradient, as in ``torch.optim.SGD``), the update; losses added to ``loss_sum``."""
+    k, width = w.shape
+    if step is not None:  # an MLP on cross-entropy: the hand-written batched step
+        per_client, by_name = step({n: params[n][:k] for n in names}, xb, yb, w)
+        grads = [by_name[n] for n in names]
+    else:
+        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
+        out = forward(leaves, xb)  # (k, width, classes)
+        losses = learnt.loss(out.flatten(0, 1), yb.flatten(), reduction="none").view(k, width)
+        per_client = (losses * w).sum(1)  # (k,) each client's mean batch loss
+        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
+    with torch.no_grad():
+        loss_sum[:k] += per_client.double()
+        for n, g in zip(names, grads):
+            p = params[n][:k]
+            if anchor is not None:
+                g = g + mu * (p - anchor[n][:k])
+            if local.weight_decay != 0:
+                g = g.add(p, alpha=local.weight_decay)
+            if bufs:
+                buf = bufs[n][:k].mul_(local.momentum).add_(g)  # 0 * m + g = g exactly on the first step
+                g = g.add(buf, alpha=local.momentum) if local.optimizer == "nesterov" else buf
+            p.add_(g, alpha=-local.lr)
+
+
+class _StepGraph:
+    """A cohort's SGD step on static buffers, captured once as a CUDA graph (``capture``) and replayed."""
+
+    def __init__(self, sgd, params, anchor, k: int, width: int, x, y, capture: bool) -> None:
+        self.params = {n: torch.zeros_like(p) for n, p in params.items()}
+        momentum = sgd.args[4].optimizer != "sgd"
+        self.bufs = {n: torch.zeros_like(p) for n, p in params.items()} if momentum else {}
+        self.anchor = None if anchor is None else {n: torch.zeros_like(p) for n, p in anchor.items()}
+        self.loss_sum = torch.zeros(k, dtype=torch.float64, device=x.device)
+        cap = _capacity(x.shape[0])
+        self.x = torch.zeros((cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.y = torch.zeros(cap, dtype=y.dtype, device=y.device)
+        self.idx = torch.zeros(k, width, dtype=torch.long, device=x.device)
+        self.w = torch.zeros(k, width, dtype=x.dtype, device=x.device)
+
+        def fn() -> None:
+            sgd(
+                self.params, self.bufs, self.anchor, self.loss_sum, self.x[self.idx], self.y[self.idx], self.w
+            )
+
+        self.fn, self.graph = fn, None
+        if capture:
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up before capture (the state is reset before every use)
+                    fn()
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                fn()
+
+    def run(self, params, anchor, x, y, gather, weight) -> tuple[dict[str, torch.Tensor], list[float]]:
+        for n, p in self.params.items():
+            p.copy_(params[n])
+        for b in self.bufs.values():
+            b.zero_()
+        if self.anchor is not None:
+            for n, a in self.anchor.items():
+                a.copy_(anchor[n])
+        self.loss_sum.zero_()
+        self.x[: x.shape[0]].copy_(x)
+        self.y[: y.shape[0]].copy_(y)
+        for t in range(gather.shape[0]):
+            self.idx.copy_(gather[t])
+            self.w.copy_(weight[t])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.fn()
+        return {n: p.clone() for n, p in self.params.items()}, self.loss_sum.cpu().tolist()
