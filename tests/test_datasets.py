@@ -519,7 +519,7 @@ def test_hf_missing_file_and_missing_extra_are_one_line_each(tmp_path, hf_home, 
     hf._datasets.cache_clear()
     monkeypatch.setitem(__import__("sys").modules, "datasets", None)  # as if the extra were not installed
     try:
-        with pytest.raises(ConfigError, match=r"fedsim\[hf\]"):
+        with pytest.raises(ConfigError, match=r"pip install -e \"\.\[hf\]\""):
             hf.load_hf(0, str(tmp_path / "nope.parquet"))
     finally:
         hf._datasets.cache_clear()

@@ -354,7 +354,7 @@ def test_a_picture_the_worker_cannot_draw_says_why_in_one_line(tmp_path):
 
 def test_flwr_datasets_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "flwr_datasets", None)  # makes the import fail
-    with pytest.raises(ConfigError, match=r"pip install fedsim\[hf\]"):
+    with pytest.raises(ConfigError, match=r"pip install -e \"\.\[hf\]\""):
         P.flwr_datasets(LABELS, 10, np.random.default_rng(0))
 
 
