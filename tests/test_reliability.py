@@ -7,11 +7,14 @@ the disk, resume a crafted checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
+import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -289,52 +292,187 @@ def _plain_checkpoint(**changes) -> dict:
     return ckpt
 
 
-def test_a_crafted_checkpoint_runs_nothing_and_is_one_line_naming_it(tmp_path):
-    marker = tmp_path / "pwned"
-    cases = {
-        "top.pt": _plain_checkpoint(extra={"x": _Evil(marker)}),
-        "inner.pt": _plain_checkpoint(strategy_state={"inner_pickle": pickle.dumps(_Evil(marker))}),
-        "old.pt": _plain_checkpoint(format=2, strategy_pickle=pickle.dumps(_Evil(marker), protocol=0)),
+class MakesFileOnNew:
+    """A class whose ``__new__`` creates ``MakesFileOnNew.path`` (or the path it is given)."""
+
+    path = ""
+
+    def __new__(cls, path=None, **kwargs):
+        Path(path or cls.path).write_text("pwned")
+        return super().__new__(cls)
+
+
+class MakesFileOnSetstate:
+    """A class whose ``__setstate__`` creates the file its state names."""
+
+    def __setstate__(self, state):
+        Path(state["path"]).write_text("pwned")
+
+
+def _payloads(marker: Path) -> dict[str, bytes]:
+    """Hand-built pickles, one per opcode that can call something; a plain unpickler creates ``marker``."""
+    path = str(marker).encode()
+    mod = __name__.encode()
+    p4 = pickle.PROTO + b"\x04"
+    return {
+        "REDUCE": b"cbuiltins\nopen\n(V" + path + b"\nVw\ntR.",
+        "REDUCE-os": b"cos\nsystem\n(Vtouch " + path + b"\ntR.",
+        "INST": b"(V" + path + b"\nVw\nibuiltins\nopen\n.",
+        "OBJ": b"(cbuiltins\nopen\nV" + path + b"\nVw\no.",
+        "NEWOBJ": b"\x80\x02c" + mod + b"\nMakesFileOnNew\nV" + path + b"\n\x85\x81.",
+        "NEWOBJ_EX": p4 + b"c" + mod + b"\nMakesFileOnNew\n)}Vpath\nV" + path + b"\ns\x92.",
+        "BUILD": b"\x80\x02c" + mod + b"\nMakesFileOnSetstate\n)\x81}Vpath\nV" + path + b"\nsb.",
+        "nested-bytes": pickle.dumps({"blob": pickle.dumps(_Evil(marker))}),
     }
+
+
+def test_every_payload_would_run_under_a_plain_unpickler(tmp_path):
+    """The payloads below are real: a plain unpickler creates the marker file with each one (but the last,
+    whose pickle is only data holding another pickle)."""
+    for name, data in _payloads(tmp_path / "m").items():
+        if name in ("REDUCE-os", "nested-bytes"):
+            continue
+        marker = tmp_path / "m"
+        marker.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            pickle.loads(data)
+        assert marker.exists(), name
+
+
+def test_the_safe_unpickler_calls_and_imports_nothing_of_a_strategy_pickle(tmp_path):
+    """Every opcode that can call is refused or, for a strategy's own class (NEWOBJ, BUILD), read as a record:
+    the class is neither imported, constructed nor given its state."""
+    marker = tmp_path / "m"
+    MakesFileOnNew.path = str(marker)
+    for name, data in _payloads(marker).items():
+        try:
+            out = checkpoint._StrategyPickleReader(io.BytesIO(data)).load()
+        except checkpoint.UnsafePickle:
+            out = None
+        assert not marker.exists(), name
+        assert out is None or isinstance(out, (checkpoint._Record, dict)), name
+    no_args = b"\x80\x02c" + __name__.encode() + b"\nMakesFileOnNew\n)\x81."
+    rec = checkpoint._StrategyPickleReader(io.BytesIO(no_args)).load()
+    assert isinstance(rec, checkpoint._Record) and str(rec.cls).endswith("MakesFileOnNew")
+    assert not marker.exists()
+    for name in ("REDUCE", "REDUCE-os", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"):
+        with pytest.raises(checkpoint.UnsafePickle):
+            checkpoint._StrategyPickleReader(io.BytesIO(_payloads(marker)[name])).load()
+
+
+def _torch_file_with_pickle(path: Path, data_pkl: bytes) -> None:
+    """A torch zip checkpoint whose top-level pickle is ``data_pkl`` (what torch.load unpickles first)."""
+    import zipfile
+
+    torch.save({"a": 1}, path)
+    with zipfile.ZipFile(path) as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for n, content in entries.items():
+            out.writestr(n, data_pkl if n.endswith("/data.pkl") else content)
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_is_one_line_naming_it(tmp_path):
+    """Each payload in each field a resume reads (the file's own pickle; a format-2 strategy pickle; a format-3
+    wrapper's pickled inner strategy, nested; an object where plain data belongs) is refused in one line, and
+    no payload creates its file."""
+    marker = tmp_path / "pwned"
+    MakesFileOnNew.path = str(marker)
+    cases: dict[str, object] = {}
+    for field in ("extra", "records", "config", "arrays", "strategy_state", "strategy_attrs", "client_state"):
+        cases[f"object-in-{field}.pt"] = _plain_checkpoint(**{field: {"x": _Evil(marker)}})
+    for name, data in _payloads(marker).items():
+        if name == "nested-bytes":
+            continue
+        cases[f"top-{name}.pt"] = data  # the file's own pickle
+        cases[f"format2-{name}.pt"] = _plain_checkpoint(format=2, strategy_pickle=data)
+        nested = {"clip_norm": 1.0, "inner": [{"inner_state": None, "inner_pickle": data}]}
+        cases[f"format3-inner-{name}.pt"] = _plain_checkpoint(format=3, strategy_state=nested)
+    from fedsim.strategies.fedavg import FedAvg
+
     for name, ckpt in cases.items():
-        torch.save(ckpt, tmp_path / name)
-        with pytest.raises(
-            ConfigError, match=rf"^resume=.*{name}.*(nothing of it was run|it was not loaded)"
-        ) as err:
-            checkpoint.load(tmp_path / name)
-        assert "\n" not in str(err.value)
+        if isinstance(ckpt, bytes):
+            _torch_file_with_pickle(tmp_path / name, ckpt)
+        else:
+            torch.save(ckpt, tmp_path / name)
+        with pytest.raises(ConfigError, match=r"^resume=") as e:
+            # a pickled object of a class the file names (BUILD's case) is read as a record and refused when it
+            # is compared with the configured strategy; everything else is refused on reading
+            checkpoint.restore(checkpoint.load(tmp_path / name), _State(), FedAvg())
+        if "BUILD" not in name:
+            assert name in str(e.value) and re.search("nothing of it was run|it was not loaded", str(e.value))
+        assert "\n" not in str(e.value)
         assert not marker.exists(), name
 
 
-def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path):
-    good = tmp_path / "good.pt"
-    torch.save(_plain_checkpoint(), good)
-    data = good.read_bytes()
-    for name, content in {
-        "empty.pt": b"",
-        "truncated.pt": data[: len(data) // 2],
-        "random.pt": np.random.default_rng(0).bytes(5000),
-    }.items():
-        (tmp_path / name).write_bytes(content)
-        with pytest.raises(ConfigError, match=rf"^resume=.*{name}.* is damaged or not a checkpoint"):
-            checkpoint.load(tmp_path / name)
-    assert checkpoint.load(good)["round"] == 1
-
-
-def test_an_old_checkpoint_with_a_pickled_strategy_still_loads(tmp_path):
-    """Format 2 pickled strategies without state_dict; that pickle is read safely, not refused."""
-    from fedsim.strategies import base
+def test_a_format2_record_of_another_class_is_refused_at_restore(tmp_path):
+    """NEWOBJ without arguments of a class that is not the configured strategy: read as a record (nothing
+    constructed), then refused in one line when the resume compares it with the configured strategy."""
     from fedsim.strategies.fedavg import FedAvg
 
-    old = _plain_checkpoint(format=2, strategy_pickle=base.pickle(FedAvg(fraction_evaluate=0.0)))
-    torch.save(old, tmp_path / "old.pt")
-    restored = checkpoint.restore(checkpoint.load(tmp_path / "old.pt"), _State(), object())
-    assert isinstance(restored, FedAvg) and restored.fraction_evaluate == 0.0
+    marker = tmp_path / "pwned"
+    MakesFileOnNew.path = str(marker)
+    data = b"\x80\x02c" + __name__.encode() + b"\nMakesFileOnNew\n)\x81}Vx\nK\x01sb."
+    torch.save(_plain_checkpoint(format=2, strategy_pickle=data), tmp_path / "c.pt")
+    ckpt = checkpoint.load(tmp_path / "c.pt")
+    with pytest.raises(ConfigError, match=r"^resume='test_reliability\.MakesFileOnNew'.*FedAvg"):
+        checkpoint.restore(ckpt, _State(), FedAvg())
+    assert not marker.exists()
+
+
+def test_bytes_in_a_strategys_state_stay_bytes(tmp_path):
+    """A pickle inside plain data (a strategy attribute that is bytes, a state_dict entry) is data: kept as
+    bytes, never unpickled."""
+    marker = tmp_path / "pwned"
+    blob = pickle.dumps(_Evil(marker))
+    attrs = {"class": "fedsim.strategies.fedavg.FedAvg", "attrs": {"blob": ["plain", blob]}}
+    torch.save(_plain_checkpoint(strategy_attrs=attrs, strategy_state=None), tmp_path / "c.pt")
+    from fedsim.strategies.fedavg import FedAvg
+
+    s = checkpoint.restore(checkpoint.load(tmp_path / "c.pt"), _State(), FedAvg())
+    assert s.blob == blob and not marker.exists()
+
+
+def test_no_free_unpickler_is_reachable():
+    """fedsim's strategies module pickles and unpickles nothing; every pickle fedsim reads goes through
+    SafeUnpickler."""
+    import fedsim.checkpoint
+    import fedsim.data.vision
+    from fedsim.strategies import base
+
+    assert not hasattr(base, "unpickle") and not hasattr(base, "pickle")
+    sources = [Path(m.__file__).read_text() for m in (base, fedsim.checkpoint, fedsim.data.vision)]
+    for src in sources:
+        assert (
+            "pickle.load(" not in src
+            and "pickle.loads(" not in src
+            and "Unpickler(f" not in src.replace("SafeUnpickler(f", "")
+        )
 
 
 class _State:
     def carry(self, extra):
         self.extra = extra
+
+
+def test_an_old_checkpoint_with_a_pickled_strategy_resumes_its_attributes(tmp_path):
+    """Formats 1-2 pickled strategies without state_dict (protocols 0-5), format 3 a wrapped one: read as data,
+    their plain attributes go to the strategy the config builds."""
+    from fedsim.strategies.fedavg import FedAvg
+
+    old = FedAvg(fraction_evaluate=0.0)
+    old.rounds = 7  # a user's subclass would count like this
+    for proto in range(6):
+        data = pickle.dumps(old, protocol=proto)
+        torch.save(_plain_checkpoint(format=2, strategy_pickle=data), tmp_path / "old.pt")
+        fresh = FedAvg()
+        restored = checkpoint.restore(checkpoint.load(tmp_path / "old.pt"), _State(), fresh)
+        assert restored is fresh and fresh.rounds == 7 and fresh.fraction_evaluate == 0.0, proto
+    fmt1 = pickle.dumps(old, protocol=2).replace(b"fedsim.strategies.fedavg", b"strategies.fedavg")
+    torch.save(_plain_checkpoint(format=1, strategy_pickle=fmt1), tmp_path / "f1.pt")
+    fresh = FedAvg()
+    checkpoint.restore(checkpoint.load(tmp_path / "f1.pt"), _State(), fresh)
+    assert fresh.rounds == 7
 
 
 def test_resume_below_the_checkpoints_round_is_refused():
