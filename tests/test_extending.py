@@ -8,6 +8,7 @@ not exist. docs/extending.md describes the same folder.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -261,3 +262,65 @@ def test_a_users_own_task_names_the_metric_and_its_direction(user_folder):
     assert summary["best_eval_mae"] == min(maes) and summary["final_eval_mae"] == maes[-1]
     first = next((ln["round"] for ln in lines if ln["eval_mae"] <= 0.9), None)
     assert summary["target_mae"] == 0.9 and summary["target_round"] == first
+
+
+# --------------------------------------------------------- the guide's strategy keeps its state (issue 26)
+def _guide_block(first_line: str) -> str:
+    """The code block of docs/extending.md that starts with ``first_line``, verbatim."""
+    text = (Path(__file__).parent.parent / "docs" / "extending.md").read_text()
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", text, flags=re.S)
+    found = [b for b in blocks if b.startswith(first_line + "\n")]
+    assert len(found) == 1, f"docs/extending.md has no single block starting {first_line!r}"
+    return found[0]
+
+
+@pytest.fixture
+def guide_strategy(tmp_path, monkeypatch):
+    """The guide's mystrategy.py and conf/strategy/counting.yaml, copied from the docs into a folder."""
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "mystrategy.py").write_text(_guide_block("# mystrategy.py"))
+    (tmp_path / "conf" / "strategy" / "counting.yaml").write_text(
+        _guide_block("# conf/strategy/counting.yaml")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mystrategy", None)
+    yield tmp_path
+    sys.modules.pop("mystrategy", None)
+
+
+def test_the_guides_strategy_keeps_its_count_through_a_checkpoint(guide_strategy, tmp_path):
+    """CountingAvg, as the guide writes it (no state_dict): its round count is in the checkpoint as plain data
+    (no pickle) and a strategy built from the config gets it back."""
+    from flwr.app import ArrayRecord
+    from mystrategy import CountingAvg
+
+    from fedsim import checkpoint
+    from fedsim.state import RunState
+
+    s = CountingAvg(tag="mine")
+    s.rounds = 48
+    state = RunState(arrays=ArrayRecord({"w": torch.zeros(2)}), round=48)
+    checkpoint.save(tmp_path / "checkpoint.pt", state, s, [])
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "checkpoint.pt")
+    assert all(n.startswith("numpy") for n in names), names
+    fresh = CountingAvg(tag="mine")
+    back = checkpoint.restore(
+        checkpoint.load(tmp_path / "checkpoint.pt"), RunState(arrays=state.arrays), fresh
+    )
+    assert back is fresh and fresh.rounds == 48 and fresh.summary_fields()["counting_avg"]["rounds"] == 48
+
+
+@pytest.mark.slow
+def test_the_guides_strategy_counts_on_after_a_resume(guide_strategy, tmp_path):
+    """The issue's case: resumed at round 3, round 4 reports 4 (it reported 1 when the count was lost)."""
+    from fedsim.run import run_experiment
+
+    over = ["strategy=counting", *TINY[:2], "quiet=true", "checkpoint_every=1"]
+    search = [str(guide_strategy / "conf")]
+    run_experiment(compose(*over, "num_rounds=3", searchpath=search), tmp_path / "a")
+    summary = run_experiment(
+        compose(*over, "num_rounds=5", f"resume={tmp_path / 'a'}", searchpath=search), tmp_path / "b"
+    )
+    lines = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["counting_rounds"] for ln in lines if "counting_rounds" in ln] == [1, 2, 3, 4, 5]
+    assert summary["counting_avg"] == {"tag": "mine", "rounds": 5}
