@@ -949,3 +949,124 @@ def test_every_strategys_checkpoint_is_plain_data_and_resumes(tmp_path, over):
     ckpt = checkpoint.load(tmp_path / "a")
     assert ckpt["format"] == checkpoint.FORMAT and ckpt["strategy_pickle"] is None
     assert run_tiny(tmp_path / "b", *over, "num_rounds=3", f"resume={tmp_path / 'a'}")["rounds_done"] == 3
+
+
+# ------------------------------------------------------------------ garbled replies (issue 28, items 3-4)
+def _garbled_cases():
+    """One reply per kind of damage (all from node 7, which holds partition 1): the kind, the reply's content,
+    and a phrase its failure names."""
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    f32 = np.float32
+    good = {"fc.weight": np.ones((2, 3), f32), "fc.bias": np.ones(2, f32)}
+    ok = {"num-examples": 10, "partition-id": 1, "train-loss": 0.5}
+
+    def with_array(**array):
+        arrays = {k: Array(v) for k, v in good.items()}
+        arrays["fc.bias"] = Array(**array)
+        return RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(ok)})
+
+    def with_metrics(**m):
+        return RecordDict({"arrays": record(good), "metrics": MetricRecord({**ok, **m})})
+
+    bias = Array(np.ones(2, f32))
+    rng = np.random.default_rng(0)
+    return {
+        "extra metric key": (with_metrics(**{"surprise": 1.0}), "extra metrics 'surprise'"),
+        "random bytes": (
+            with_array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=rng.bytes(40)),
+            "are not a numpy array",
+        ),
+        "truncated bytes": (
+            with_array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=bias.data[:-3]),
+            "hold 5 bytes of values",
+        ),
+        "bytes unlike metadata": (
+            with_array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=Array(np.ones(2)).data),
+            "are float64 (2,), but it declares float32 (2,)",
+        ),
+        "not numpy": (
+            with_array(dtype="float32", shape=(2,), stype="torch.Tensor", data=bias.data),
+            "'torch.Tensor' array, not a numpy array",
+        ),
+        "absurd num-examples": (with_metrics(**{"num-examples": 1e308}), "num-examples 1e+308"),
+        "fractional num-examples": (with_metrics(**{"num-examples": 2.5}), "num-examples 2.5"),
+        "unknown partition": (
+            with_metrics(**{"partition-id": 999}),
+            "partition-id 999, but the node holds partition 1",
+        ),
+        "fractional partition": (with_metrics(**{"partition-id": 2.5}), "partition-id 2.5 is not a whole"),
+        "huge partition": (with_metrics(**{"partition-id": 1e300}), "partition-id 1e+300 is not a whole"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_garbled_cases()))
+def test_a_garbled_reply_is_dropped_naming_node_and_reason_and_the_round_aggregates(kind):
+    """Each kind of damage in one reply among good ones: that reply is a ``malformed`` failure naming node 7
+    and the reason; FedAvg aggregates the rest (before screening, these replies crashed it or turned the
+    model to zeros)."""
+    from flwr.app import MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    from fedsim.grid_utils import screen_replies
+    from fedsim.strategies.fedavg import FedAvg
+
+    content, phrase = _garbled_cases()[kind]
+    good = {"fc.weight": np.ones((2, 3), np.float32), "fc.bias": np.ones(2, np.float32)}
+    replies = [_reply(content, node=7)]
+    for node, pid in ((8, 2), (9, 3)):
+        m = MetricRecord({"num-examples": 10, "partition-id": pid, "train-loss": 0.5})
+        replies.append(_reply(RecordDict({"arrays": record(good), "metrics": m}), node=node))
+    valid, failures = screen_replies(replies, record(good), {7: 1, 8: 2, 9: 3})
+    assert [r.metadata.src_node_id for r in valid] == [8, 9]
+    assert len(failures) == 1 and failures[0][0] == "malformed"
+    assert "node 7" in failures[0][1] and phrase in failures[0][1], failures[0][1]
+    arrays, _ = FedAvg().aggregate_train(1, valid)
+    assert np.allclose(arrays["fc.bias"].numpy(), 1.0)
+
+
+def test_duplicate_partitions_unknown_nodes_and_all_zero_examples_are_dropped():
+    from flwr.app import MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    from fedsim.grid_utils import screen_replies
+
+    good = record({"w": np.ones(2, np.float32)})
+
+    def rep(node, pid, n=10):
+        m = MetricRecord({"num-examples": n, "partition-id": pid})
+        return _reply(RecordDict({"arrays": good, "metrics": m}), node=node)
+
+    valid, failures = screen_replies([rep(7, 1), rep(8, 1)], good)  # no discovery map: two claim partition 1
+    assert len(valid) == 1 and "partition-id 1 is node 7's reply's too" in failures[0][1]
+    valid, failures = screen_replies([rep(7, 1), rep(5, 4)], good, {7: 1, 8: 2})
+    assert len(valid) == 1 and "node 5, which is not one of the run's clients" in failures[0][1]
+    valid, failures = screen_replies([rep(7, 1, 0), rep(8, 2, 0)], good, {7: 1, 8: 2})
+    assert valid == [] and len(failures) == 2 and "num-examples is 0 in every reply" in failures[0][1]
+    valid, failures = screen_replies([rep(7, 1, 0), rep(8, 2, 5)], good, {7: 1, 8: 2})
+    assert len(valid) == 2 and failures == []  # one empty client among others weighs 0, as FedAvg says
+
+
+@pytest.mark.slow
+def test_a_run_with_a_garbled_reply_every_round_goes_on_and_counts_it(tmp_path, monkeypatch):
+    """In the loop: one reply per round gets an extra metric key and bytes unlike its metadata; the round
+    aggregates the others and metrics.jsonl counts the failure."""
+    from flwr.app import MetricRecord
+
+    import fedsim.server as server
+
+    original = server.screen_replies
+
+    def garble(replies, *rest):
+        replies = list(replies)
+        first = replies[0].content
+        first["metrics"] = MetricRecord({**dict(first["metrics"].items()), "surprise": 1.0})
+        return original(replies, *rest)
+
+    monkeypatch.setattr(server, "screen_replies", garble)
+    summary = run_tiny(tmp_path, "num_rounds=2")
+    recs = read_metrics(tmp_path)[1:]
+    assert summary["status"] == "completed"
+    assert [r["failures"] for r in recs] == [1, 1] and [r["num_clients"] for r in recs] == [2, 2]
+    assert all(r["failure_kinds"] == {"malformed": 1} for r in recs)
