@@ -16,6 +16,7 @@ second get their own folders), and checks a ``resume`` against its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -30,8 +31,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from fedsim import errors
 from fedsim.config import compose, flower_env
-from fedsim.errors import ConfigError, Interrupted, RunError
+from fedsim.errors import ConfigError, Interrupted, OverrideError, RunError
 
 flower_env()
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
@@ -113,7 +115,9 @@ def _run_job(cfg: DictConfig) -> dict | None:
         _record_failure(Path(hc.runtime.output_dir), f"run failed: {e}")
     except Exception as e:
         if not multirun:
-            raise
+            if os.environ.get("FEDSIM_TRACEBACK"):
+                raise
+            _single_run_failed(Path(hc.runtime.output_dir), e)
         logging.getLogger("fedsim").exception("run %s failed", hc.job.num)
         _record_failure(Path(hc.runtime.output_dir), f"{type(e).__name__}: {e}")
     else:
@@ -131,6 +135,23 @@ def _run_job(cfg: DictConfig) -> dict | None:
                 raise Interrupted(signum)
         return summary
     return None
+
+
+def _single_run_failed(out_dir: Path, e: Exception) -> None:
+    """A run that raised (the user's loader, model, task or callback; a bug): one line naming the file and line
+    of the original error, exit status 1, and no half-written run folder: a folder holding only what Hydra wrote
+    is put back as it was, any other gets a summary.json saying ``failed`` and why (unless the run wrote one).
+    ``FEDSIM_TRACEBACK=1`` shows the whole traceback instead."""
+    import json
+
+    why = errors.where_it_failed(e)
+    print(f"fedsim: run failed: {why} (FEDSIM_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
+    undo_hydra_files()
+    summary = out_dir / "summary.json"
+    if out_dir.is_dir() and not summary.exists():
+        with contextlib.suppress(OSError):
+            summary.write_text(json.dumps({"status": "failed", "error": why}, indent=2) + "\n")
+    sys.exit(1)
 
 
 def _signal_number(name: str | None) -> int:
@@ -337,8 +358,10 @@ def _unknown_key(argv: list[str], remember: bool) -> str | None:
         if remember:
             COMPOSED[tuple(argv)] = cfg
         return None
-    except Exception:  # noqa: BLE001  (a key or option that does not exist, a sweep, ...: looked at below)
-        pass
+    except Exception as e:  # noqa: BLE001  (a key or option that does not exist, a sweep, ...: looked at below)
+        bad_yaml = errors.yaml_problem(e)  # a YAML file of the user's that does not parse: Hydra's report of
+        if bad_yaml:  # it is a traceback
+            return bad_yaml
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         searchpath = [o.input_line for o in parsed if o.get_key_element() == "hydra.searchpath"]
@@ -453,7 +476,10 @@ def prepare_folders(argv: list[str]) -> list[str]:
     if cfg is None:
         try:
             cfg = compose(*overrides, return_hydra_config=True)
-        except Exception:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
+        except Exception as e:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
+            bad_yaml = errors.yaml_problem(e)  # Hydra's own report of it is a traceback
+            if bad_yaml:
+                raise OverrideError("config", bad_yaml) from None
             return []
     if not multirun and cfg.get("resume"):  # before any folder is made or locked: a refusal touches nothing
         _check_resume(copy.deepcopy(cfg), open_dict)

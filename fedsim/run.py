@@ -36,7 +36,7 @@ from fedsim import __version__, build, checkpoint, schema
 from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks
 from fedsim.engines import EngineRunner
-from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals
+from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
 from fedsim.experiment import Experiment, build_experiment
 from fedsim.figures import FigureWorker
 from fedsim.grid_utils import StoppableView
@@ -122,8 +122,7 @@ def _one_line(e: BaseException) -> str:
         return str(e)
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return where_it_failed(e)  # FILE:LINE: Type: message, the line of the user's code where there is one
 
 
 PROGRESS_MODES = ("auto", "bar", "lines")

@@ -324,3 +324,60 @@ def test_the_guides_strategy_counts_on_after_a_resume(guide_strategy, tmp_path):
     lines = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert [ln["counting_rounds"] for ln in lines if "counting_rounds" in ln] == [1, 2, 3, 4, 5]
     assert summary["counting_avg"] == {"tag": "mine", "rounds": 5}
+
+
+# ------------------------------------------------------------- the user's own files and code fail in one line
+BROKEN = {
+    "conf/dataset/broken.yaml": "_target_: mydata.blobs\nn: [1, 2\nspread: 1.0\n",
+    "conf/dataset/raising.yaml": "_target_: myraising.blobs\n",
+    "myraising.py": "def blobs(seed, n=40):\n    raise ValueError('boom in my loader')\n",
+    "conf/strategy/syntax.yaml": "_target_: mysyntax.Strat\n",
+    "mysyntax.py": "import math\nx = (\n",
+    "conf/strategy/imports.yaml": "_target_: myimports.Strat\n",
+    "myimports.py": "import math\nimport not_a_package_anywhere_xyz\n",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, status, says",
+    [
+        ("dataset=broken", 2, r"conf/dataset/broken\.yaml, line 3: not valid YAML \(expected ',' or ']'"),
+        ("dataset=raising", 1, r"myraising\.py:2: ValueError: boom in my loader"),
+        ("strategy=syntax", 2, r"Importing it failed: .*mysyntax\.py:2: SyntaxError"),
+        (
+            "strategy=imports",
+            2,
+            r"myimports\.py:2: ModuleNotFoundError: No module named 'not_a_package_anywhere",
+        ),
+    ],
+)
+def test_the_users_broken_file_or_code_is_one_line_naming_file_and_line(user_folder, override, status, says):
+    for name, text in BROKEN.items():
+        (user_folder / name).write_text(text)
+    res = fedsim(
+        f"hydra.searchpath=[file://{user_folder}/conf]", override, "hydra.run.dir=run", *TINY, cwd=user_folder
+    )
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim:")]
+    assert res.returncode == status and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert len(lines) == 1 and re.search(says, lines[0]), res.stderr[-3000:]
+    assert not (user_folder / "run").exists()  # no half-written run folder
+
+
+def test_where_it_failed_names_the_users_line_through_wrappers(tmp_path, monkeypatch):
+    from hydra.errors import InstantiationException
+
+    from fedsim.errors import where_it_failed
+
+    (tmp_path / "mycode.py").write_text("def f():\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mycode", None)
+    import mycode
+
+    try:
+        try:
+            mycode.f()
+        except ZeroDivisionError as e:
+            raise InstantiationException("Error in call to target 'mycode.f'") from e
+    except InstantiationException as e:
+        assert where_it_failed(e) == f"{tmp_path / 'mycode.py'}:2: ZeroDivisionError: division by zero"

@@ -153,17 +153,18 @@ def resume(
     round_: int,
     run_dir: str | Path,
     clients: dict | None = None,
-    recorded: bool = True,
+    recorded: bool | None = None,
     stateful: bool = False,
 ) -> None:
     """Start ``run_dir``'s client state from the snapshot beside a checkpoint of round ``round_``.
 
     ``clients`` is what the checkpoint recorded of its snapshot (``recorded``: the checkpoint has that field;
-    older ones do not). A checkpoint that needs a snapshot which is missing, or whose files differ from the
+    older ones do not; by default, whether ``clients`` is given). A checkpoint that needs a snapshot which is missing, or whose files differ from the
     recorded ones, raises :class:`MissingState`: resuming would restart every client's state from zero.
     Without a record (an older checkpoint), a missing snapshot is refused when the clients are ``stateful`` or
     snapshots of other rounds lie beside it.
     """
+    recorded = clients is not None if recorded is None else recorded
     folder = Path(checkpoint_dir) / CHECKPOINT_DIR
     src = folder / f"round-{round_}"
     dest = Path(run_dir) / STATE_DIR
