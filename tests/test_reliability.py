@@ -1070,3 +1070,97 @@ def test_a_run_with_a_garbled_reply_every_round_goes_on_and_counts_it(tmp_path, 
     assert summary["status"] == "completed"
     assert [r["failures"] for r in recs] == [1, 1] and [r["num_clients"] for r in recs] == [2, 2]
     assert all(r["failure_kinds"] == {"malformed": 1} for r in recs)
+
+
+# --------------------------------------------------------------------- damaged data files (issue 28, item 7)
+def _npz_files(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 4), dtype=np.float32)
+    np.savez(folder / "good.npz", x=x, y=np.arange(60) % 3)
+    np.savez(folder / "huge_label.npz", x=x, y=np.r_[np.arange(59) % 3, 10**6])
+    data = (folder / "good.npz").read_bytes()
+    (folder / "empty.npz").write_bytes(b"")
+    (folder / "truncated.npz").write_bytes(data[: len(data) // 2])
+    (folder / "random.npz").write_bytes(rng.bytes(3000))
+    return {p.stem: p for p in folder.iterdir()}
+
+
+def test_a_damaged_or_absurd_npz_is_one_line_naming_it(tmp_path):
+    from fedsim.data.base import MAX_CLASSES, Dataset
+    from fedsim.data.npz import load_npz
+
+    files = _npz_files(tmp_path)
+    for name in ("empty", "truncated", "random"):
+        with pytest.raises(ConfigError, match=rf"^path='.*{name}\.npz' .*damaged or not an \.npz file") as e:
+            load_npz(0, str(files[name]))
+        assert "allow_pickle" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^num_classes=None .*4 distinct labels but label 1000000"):
+        load_npz(0, str(files["huge_label"]))
+    assert load_npz(0, str(files["good"])).num_classes == 3
+    y = np.zeros(4, np.int64)
+    with pytest.raises(ConfigError, match=rf"1 to {MAX_CLASSES} classes"):
+        Dataset("d", np.zeros((4, 2), np.float32), y, np.zeros((4, 2), np.float32), y, 10**6, (2,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["empty", "truncated", "random", "huge_label"])
+def test_a_damaged_data_file_on_the_command_line_is_one_line_and_no_folder(tmp_path, name):
+    files = _npz_files(tmp_path / "data")
+    res = fedsim_cli(*TINY, "dataset=npz", f"dataset.path={files[name]}", "hydra.run.dir=run", cwd=tmp_path)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim:")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]
+    assert name in lines[0] or "num_classes" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_picture_process_ends_when_the_run_is_killed(tmp_path):
+    """The worker that draws partitions.png and curves.png never outlives its run, even one killed with
+    SIGKILL (it once kept drawing at 20 GB after its run was gone)."""
+    code = (
+        "from fedsim.figures import FigureWorker; w = FigureWorker(); print(w.proc.pid, flush=True); input()"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    worker = int(parent.stdout.readline())
+    assert _running(worker)
+    parent.kill()
+    parent.wait()
+    end = time.monotonic() + 20
+    while _running(worker) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not _running(worker)
+
+
+def test_a_long_title_fits_the_curves_picture(tmp_path):
+    """curves.png's title (the run's choices) is wrapped inside the figure, not cut at both edges."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedsim.figures import plot_curves
+
+    title = " ".join(f"group{i}=option_with_a_long_name_{i}" for i in range(12))
+    records = [
+        {"round": r, "sim_time": float(r), "eval_loss": 1.0 / (r + 1), "eval_accuracy": r / 10}
+        for r in range(4)
+    ]
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        real_savefig(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        captured["box"] = fig._suptitle.get_window_extent(renderer)
+        captured["width"] = fig.bbox.width
+
+    plt.Figure.savefig = savefig
+    try:
+        plot_curves(records, tmp_path / "curves.png", title)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert captured["box"].x0 >= 0 and captured["box"].x1 <= captured["width"]
+    assert (tmp_path / "curves.png").stat().st_size > 0
