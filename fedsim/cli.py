@@ -16,6 +16,13 @@ second get their own folders), and checks a ``resume`` against its checkpoint.
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv and sys.argv[0].endswith(("/fedsim", "\\fedsim", "/fedsim/__main__.py")):  # the command itself:
+    from fedsim.errors import interrupt_from_now_on  # a signal while the imports below run is a clean exit
+
+    interrupt_from_now_on(importing=True)
+
 import contextlib
 import copy
 import gc
@@ -23,7 +30,6 @@ import logging
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import hydra
@@ -532,7 +538,11 @@ def undo_hydra_files() -> None:
         return
     from fedsim.recorder import LOCK_NAME
 
-    hydra, log_files = folder / ".hydra", {f"{HydraConfig.get().job.name}.log", LOCK_NAME}
+    try:
+        log_files = {f"{HydraConfig.get().job.name}.log", LOCK_NAME}
+    except ValueError:  # before Hydra set up the job (a signal while it starts): its log has no name yet
+        log_files = {p.name for p in folder.glob("*.log")} | {LOCK_NAME}
+    hydra = folder / ".hydra"
     try:
         if RUN_FOLDER["created"] and {p.name for p in folder.iterdir()} <= {".hydra", *log_files}:
             shutil.rmtree(folder)
@@ -560,8 +570,15 @@ def _check_resume(cfg, open_dict) -> None:
 
 def main() -> None:
     """Console entry point (``fedsim``)."""
+    errors.interrupt_from_now_on()  # (already, when this module was imported by the command: see its top)
     try:
         _main()
+    except KeyboardInterrupt as e:  # while it starts (imports, the config check), before _main handles it
+        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+        print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            undo_hydra_files()
+        sys.exit(128 + signum)
     finally:
         skip_exit_collection()
 
@@ -594,8 +611,10 @@ def _main() -> None:
         sys.exit(EXIT_CONFIG)
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
-        if not EXIT_STATUS:  # before any run had its outputs written
+        if not EXIT_STATUS:  # before any run had its outputs written: no folder of Hydra's files alone
             print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                undo_hydra_files()
         if sweep.LAST_SWEEP is not None:
             sweep.LAST_SWEEP.summarise()
         _exit(128 + signum)

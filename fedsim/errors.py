@@ -154,6 +154,38 @@ class SignalGuard:
         self.is_stopping = True
 
 
+def _interrupt(signum: int, frame=None) -> None:
+    raise Interrupted(signum)
+
+
+def _exit_at_once(signum: int, frame=None) -> None:
+    import os
+    import sys
+
+    sys.stderr.write(f"fedsim: interrupted by {signal.Signals(signum).name}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def interrupt_from_now_on(importing: bool = False) -> None:
+    """For the ``fedsim`` command, from its first line: SIGTERM and SIGHUP (and, while ``importing``, Ctrl-C)
+    end it with 128 + N and one line, never a bare -15 or a traceback.
+
+    While ``importing`` (nothing written yet) the process exits at once; after that they raise
+    :class:`Interrupted` as Ctrl-C raises ``KeyboardInterrupt`` (and a run's :func:`signals` guard takes over
+    while it runs). Signals the caller ignores (``nohup``) stay ignored.
+    """
+    names = ("SIGTERM", "SIGHUP", "SIGINT") if importing else ("SIGTERM", "SIGHUP")
+    for name in names:
+        sig = getattr(signal, name, None)
+        if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        if importing or signal.getsignal(sig) in (signal.SIG_DFL, _exit_at_once):
+            signal.signal(sig, _exit_at_once if importing else _interrupt)
+    if not importing and signal.getsignal(signal.SIGINT) is _exit_at_once:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 _GUARD: SignalGuard | None = None
 # Set by the command line, whose process ends with the run: after an interrupted run, later signals are ignored
 # (restoring Python's handler would let a third Ctrl-C kill the process while it exits, with status -2).

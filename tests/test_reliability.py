@@ -1164,3 +1164,34 @@ def test_a_long_title_fits_the_curves_picture(tmp_path):
         plt.Figure.savefig = real_savefig
     assert captured["box"].x0 >= 0 and captured["box"].x1 <= captured["width"]
     assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ the small ones (issue 28, item 8)
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 1.5, 2.5])
+def test_a_signal_while_the_command_starts_is_a_clean_exit_143(tmp_path, delay):
+    """SIGTERM while fedsim imports, checks the config or builds the run (from 0.3 s: the interpreter's own
+    start-up comes first): exit 143, one line, no traceback,
+    and no folder holding only Hydra's files (a run folder with outputs has its summary.json)."""
+    proc = fedsim_cli(*TINY, "num_rounds=50", "hydra.run.dir=run", cwd=tmp_path, background=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    run = tmp_path / "run"
+    assert not run.exists() or (run / "summary.json").exists(), sorted(p.name for p in run.iterdir())
+
+
+def test_zero_attackers_warn_and_absurd_thread_counts_are_refused(caplog):
+    from fedsim.attacks import SignFlip
+    from fedsim.groups import Placement
+    from fedsim.strategies.fedavg import FedAvg
+
+    with caplog.at_level("WARNING", logger="fedsim"):
+        SignFlip(strategy=FedAvg(), fraction=0.01, num_clients=10, clients_per_round=5, seed=0)
+    assert "is 0 attackers; the run is not attacked" in caplog.text
+    with pytest.raises(
+        ConfigError, match=r"^threads_per_client=1000 is not allowed: expected an integer in \[1, 256\]"
+    ):
+        Placement(threads_per_client=1000)
+    assert Placement(threads_per_client=8).threads_per_client == 8
