@@ -355,3 +355,11 @@ def test_a_kill_inside_the_checkpoint_window_resumes_every_clients_state(tmp_pat
     assert [p.name for p in (part / cs.CHECKPOINT_DIR).iterdir()] == ["round-6"]
     assert without_wall_time(read_metrics(part)) == without_wall_time(read_metrics(tmp_path / "full"))
     assert _same_models(part, tmp_path / "full")
+
+
+def test_strategy_attributes_a_resume_may_change_come_from_the_config():
+    """The strategy keys a resumed run may change (FREE_KEYS) are the attributes a checkpoint never restores."""
+    from fedsim.checkpoint import FREE_KEYS
+    from fedsim.strategies import base
+
+    assert {k.split(".", 1)[1] for k in FREE_KEYS if k.startswith("strategy.")} == base.CONFIG_ONLY
