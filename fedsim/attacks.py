@@ -123,6 +123,15 @@ class Attack(Strategy):
         self.clients_per_round = integer("clients_per_round", clients_per_round, 1)
         self.seed = integer("seed", seed, 0)
         self.malicious = frozenset(malicious_clients(self.seed, self.num_clients, self.fraction))
+        if not self.malicious:
+            log.warning(
+                "attack %s: fraction=%g of %d clients is 0 attackers; the run is not attacked "
+                "(an attack.fraction above %.3g gives one)",
+                type(self).__name__,
+                self.fraction,
+                self.num_clients,
+                0.5 / self.num_clients,
+            )
         self.current: dict[str, np.ndarray] | None = None
 
     def expected_in_cohort(self) -> int:

@@ -20,6 +20,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from fedsim import errors
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
 from fedsim.faults import FaultRates
@@ -89,11 +90,15 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
             raise cause.with_prefix(section) from None
         if str(e).startswith("Error locating target"):
             target = node.get("_target_") if hasattr(node, "get") else None
+            hint = "Is its module on PYTHONPATH (e.g. PYTHONPATH=. for your own folder)?"
+            original = errors.cause_chain(e)[-1]  # a module of the user's that fails to import: its own error
+            absent = isinstance(original, ModuleNotFoundError) and f"{target}.".startswith(
+                f"{original.name}."
+            )
+            if not absent and not isinstance(original, AttributeError):
+                hint = f"Importing it failed: {errors.where_it_failed(e)}"
             raise ConfigError(
-                f"{section}._target_",
-                target,
-                "an importable class or function (module.name)",
-                "Is its module on PYTHONPATH (e.g. PYTHONPATH=. for your own folder)?",
+                f"{section}._target_", target, "an importable class or function (module.name)", hint
             ) from None
         raise
     except ConfigError as e:

@@ -16,6 +16,13 @@ second get their own folders), and checks a ``resume`` against its checkpoint.
 
 from __future__ import annotations
 
+import sys
+
+if sys.argv and sys.argv[0].endswith(("/fedsim", "\\fedsim", "/fedsim/__main__.py")):  # the command itself:
+    from fedsim.errors import interrupt_from_now_on  # a signal while the imports below run is a clean exit
+
+    interrupt_from_now_on(importing=True)
+
 import contextlib
 import copy
 import gc
@@ -23,7 +30,6 @@ import logging
 import os
 import re
 import signal
-import sys
 from pathlib import Path
 
 import hydra
@@ -31,8 +37,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from fedsim import errors
 from fedsim.config import compose, flower_env, quiet_loggers
-from fedsim.errors import ConfigError, Interrupted, RunError
+from fedsim.errors import ConfigError, Interrupted, OverrideError, RunError
 
 flower_env()
 os.environ.setdefault("HYDRA_FULL_ERROR", "0")
@@ -125,7 +132,9 @@ def _run_job(cfg: DictConfig) -> dict | None:
         _record_failure(Path(hc.runtime.output_dir), f"run failed: {e}")
     except Exception as e:
         if not multirun:
-            raise
+            if os.environ.get("FEDSIM_TRACEBACK"):
+                raise
+            _single_run_failed(Path(hc.runtime.output_dir), e)
         logging.getLogger("fedsim").exception("run %s failed", hc.job.num)
         _record_failure(Path(hc.runtime.output_dir), f"{type(e).__name__}: {e}")
     else:
@@ -168,6 +177,23 @@ def outputs_line(summary: dict, out_dir: str | Path) -> str:
         f"fedsim: {summary.get('status')} after {summary.get('rounds_done', 0)} rounds{score}; "
         f"outputs in {folder}/ ({', '.join(files)})"
     )
+
+
+def _single_run_failed(out_dir: Path, e: Exception) -> None:
+    """A run that raised (the user's loader, model, task or callback; a bug): one line naming the file and line
+    of the original error, exit status 1, and no half-written run folder: a folder holding only what Hydra wrote
+    is put back as it was, any other gets a summary.json saying ``failed`` and why (unless the run wrote one).
+    ``FEDSIM_TRACEBACK=1`` shows the whole traceback instead."""
+    import json
+
+    why = errors.where_it_failed(e)
+    print(f"fedsim: run failed: {why} (FEDSIM_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
+    undo_hydra_files()
+    summary = out_dir / "summary.json"
+    if out_dir.is_dir() and not summary.exists():
+        with contextlib.suppress(OSError):
+            summary.write_text(json.dumps({"status": "failed", "error": why}, indent=2) + "\n")
+    sys.exit(1)
 
 
 def _signal_number(name: str | None) -> int:
@@ -374,8 +400,10 @@ def _unknown_key(argv: list[str], remember: bool) -> str | None:
         if remember:
             COMPOSED[tuple(argv)] = cfg
         return None
-    except Exception:  # noqa: BLE001  (a key or option that does not exist, a sweep, ...: looked at below)
-        pass
+    except Exception as e:  # noqa: BLE001  (a key or option that does not exist, a sweep, ...: looked at below)
+        bad_yaml = errors.yaml_problem(e)  # a YAML file of the user's that does not parse: Hydra's report of
+        if bad_yaml:  # it is a traceback
+            return bad_yaml
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         searchpath = [o.input_line for o in parsed if o.get_key_element() == "hydra.searchpath"]
@@ -490,7 +518,10 @@ def prepare_folders(argv: list[str]) -> list[str]:
     if cfg is None:
         try:
             cfg = compose(*overrides, return_hydra_config=True)
-        except Exception:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
+        except Exception as e:  # noqa: BLE001  (Hydra reports what it cannot compose itself)
+            bad_yaml = errors.yaml_problem(e)  # Hydra's own report of it is a traceback
+            if bad_yaml:
+                raise OverrideError("config", bad_yaml) from None
             return []
     if not multirun and cfg.get("resume"):  # before any folder is made or locked: a refusal touches nothing
         _check_resume(copy.deepcopy(cfg), open_dict)
@@ -543,7 +574,11 @@ def undo_hydra_files() -> None:
         return
     from fedsim.recorder import LOCK_NAME
 
-    hydra, log_files = folder / ".hydra", {f"{HydraConfig.get().job.name}.log", LOCK_NAME}
+    try:
+        log_files = {f"{HydraConfig.get().job.name}.log", LOCK_NAME}
+    except ValueError:  # before Hydra set up the job (a signal while it starts): its log has no name yet
+        log_files = {p.name for p in folder.glob("*.log")} | {LOCK_NAME}
+    hydra = folder / ".hydra"
     try:
         if RUN_FOLDER["created"] and {p.name for p in folder.iterdir()} <= {".hydra", *log_files}:
             shutil.rmtree(folder)
@@ -571,8 +606,15 @@ def _check_resume(cfg, open_dict) -> None:
 
 def main() -> None:
     """Console entry point (``fedsim``)."""
+    errors.interrupt_from_now_on()  # (already, when this module was imported by the command: see its top)
     try:
         _main()
+    except KeyboardInterrupt as e:  # while it starts (imports, the config check), before _main handles it
+        signum = e.signum if isinstance(e, Interrupted) else int(signal.SIGINT)
+        print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            undo_hydra_files()
+        sys.exit(128 + signum)
     finally:
         skip_exit_collection()
 
@@ -609,8 +651,10 @@ def _main() -> None:
         # a signal: in this process's run (basic launcher), or passed on to the launcher's job processes,
         # whose end (a job interrupted, a worker gone) ends the launcher too
         signum = sweep.STOP.signum or (e.signum if isinstance(e, Interrupted) else int(signal.SIGINT))
-        if not EXIT_STATUS:  # before any run had its outputs written
+        if not EXIT_STATUS:  # before any run had its outputs written: no folder of Hydra's files alone
             print(f"fedsim: interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                undo_hydra_files()
         if sweep.LAST_SWEEP is not None:
             sweep.LAST_SWEEP.summarise()
         _exit(128 + signum)

@@ -157,6 +157,38 @@ class SignalGuard:
         self.is_stopping = True
 
 
+def _interrupt(signum: int, frame=None) -> None:
+    raise Interrupted(signum)
+
+
+def _exit_at_once(signum: int, frame=None) -> None:
+    import os
+    import sys
+
+    sys.stderr.write(f"fedsim: interrupted by {signal.Signals(signum).name}\n")
+    sys.stderr.flush()
+    os._exit(128 + signum)
+
+
+def interrupt_from_now_on(importing: bool = False) -> None:
+    """For the ``fedsim`` command, from its first line: SIGTERM and SIGHUP (and, while ``importing``, Ctrl-C)
+    end it with 128 + N and one line, never a bare -15 or a traceback.
+
+    While ``importing`` (nothing written yet) the process exits at once; after that they raise
+    :class:`Interrupted` as Ctrl-C raises ``KeyboardInterrupt`` (and a run's :func:`signals` guard takes over
+    while it runs). Signals the caller ignores (``nohup``) stay ignored.
+    """
+    names = ("SIGTERM", "SIGHUP", "SIGINT") if importing else ("SIGTERM", "SIGHUP")
+    for name in names:
+        sig = getattr(signal, name, None)
+        if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        if importing or signal.getsignal(sig) in (signal.SIG_DFL, _exit_at_once):
+            signal.signal(sig, _exit_at_once if importing else _interrupt)
+    if not importing and signal.getsignal(signal.SIGINT) is _exit_at_once:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 _GUARD: SignalGuard | None = None
 # Set by the command line, whose process ends with the run: after an interrupted run, later signals are ignored
 # (restoring Python's handler would let a third Ctrl-C kill the process while it exits, with status -2).
@@ -200,3 +232,67 @@ def signals():
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
     return guard()
+
+
+# ------------------------------------------------------------------ the user's own files and code, in one line
+def cause_chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from (``__cause__``, else ``__context__``), outermost first."""
+    out: list[BaseException] = []
+    while e is not None and e not in out and len(out) < 20:
+        out.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def yaml_problem(e: BaseException) -> str | None:
+    """``FILE, line N: not valid YAML (problem)`` when a YAML file could not be parsed, else None."""
+    try:
+        import yaml
+    except ImportError:  # pragma: no cover  (Hydra needs it)
+        return None
+    for x in cause_chain(e):
+        if isinstance(x, yaml.MarkedYAMLError):
+            mark = x.problem_mark or x.context_mark
+            where = f"{mark.name}, line {mark.line + 1}" if mark is not None else "a YAML file"
+            return f"{where}: not valid YAML ({x.problem or x.context})"
+    return None
+
+
+def _library_file(path: str) -> bool:
+    """A file of fedsim, of an installed package or of Python itself (not the user's own code)."""
+    import sys
+    import sysconfig
+
+    if not path or path.startswith("<"):
+        return True
+    p = str(Path(path).resolve())
+    roots = {str(Path(__file__).resolve().parent)}  # fedsim
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        with contextlib.suppress(KeyError):
+            roots.add(str(Path(sysconfig.get_paths()[key]).resolve()))
+    roots |= {str(Path(p_).resolve()) for p_ in sys.path if "site-packages" in p_ or "dist-packages" in p_}
+    return any(p.startswith(r + "/") for r in roots) or "/site-packages/" in p or "/dist-packages/" in p
+
+
+def where_it_failed(e: BaseException) -> str:
+    """The original error of ``e`` in one line, with the file and line it came from.
+
+    ``FILE:LINE: Type: message``: for a syntax error, the line Python could not read; otherwise the innermost
+    line of the user's own code in the traceback (the frame outside fedsim, installed packages and Python),
+    else the innermost line of all. Wrappers (Hydra's ``InstantiationException``, an ``ImportError`` around a
+    module that failed to import) are seen through to the error they were raised from.
+    """
+    chain = cause_chain(e)
+    for x in chain:
+        if isinstance(x, SyntaxError) and x.filename:
+            return f"{x.filename}:{x.lineno}: {type(x).__name__}: {x.msg}"
+    original = chain[-1]
+    frames = []
+    tb = original.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame.f_code.co_filename, tb.tb_lineno))
+        tb = tb.tb_next
+    user = [f for f in frames if not _library_file(f[0])]
+    file, line = (user or frames or [("?", 0)])[-1]
+    text = (str(original).strip().splitlines() or [""])[0][:300]
+    return f"{file}:{line}: {type(original).__name__}" + (f": {text}" if text else "")

@@ -77,8 +77,26 @@ class FigureWorker:
         self.proc.communicate()
 
 
+def _watch_parent(poll: float = 0.5) -> None:
+    """End this worker as soon as the run's process is gone (even SIGKILLed mid-drawing): a picture nobody
+    waits for is not worth the memory and the CPU it may still take."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="fedsim-parent-watch").start()
+
+
 def _serve() -> None:
-    """The worker: draw each requested picture, answer one JSON line for each, end at the end of stdin."""
+    """The worker: draw each requested picture, answer one JSON line for each, end at the end of stdin (or as
+    soon as the run's process is gone)."""
+    _watch_parent()
     from fedsim.data.stats import plot_partitions
 
     for line in sys.stdin:
@@ -97,6 +115,19 @@ def _serve() -> None:
 
 
 _SERVE = "from fedsim.figures import _serve; _serve()"
+
+
+def wrap_title(title: str, width_inches: float, fontsize: float = 10) -> str:
+    """``title`` broken into lines that fit ``width_inches`` at ``fontsize`` points (at most 3; longer ones end
+    in an ellipsis), at spaces where it has them."""
+    import textwrap
+
+    per_line = max(20, int(width_inches * 72 / (0.62 * fontsize)))  # ~0.6 em a character, with a margin
+    lines = textwrap.wrap(title, per_line, break_long_words=True, break_on_hyphens=False)
+    if len(lines) > 3:
+        lines = lines[:3]
+        lines[-1] = lines[-1][: per_line - 3] + "..."
+    return "\n".join(lines)
 
 
 def plot_curves(records: list[dict], path: Path, title: str = "", metric: str = "accuracy") -> None:
@@ -136,7 +167,7 @@ def plot_curves(records: list[dict], path: Path, title: str = "", metric: str = 
         axes[row, 1].legend()
         for ax in axes[row]:
             ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
+    if title:  # the run's choices: wrapped to the figure's width, never cut at its edges
+        fig.suptitle(wrap_title(title, fig.get_figwidth()), fontsize=10)
     fig.savefig(path, dpi=100)
     plt.close(fig)

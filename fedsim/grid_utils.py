@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import io
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
@@ -275,10 +278,66 @@ def _names(keys_: Iterable[str], limit: int = 3) -> str:
     return ", ".join(repr(k) for k in keys_[:limit]) + more
 
 
-def check_reply_content(rep: Message, reference: dict[str, tuple[tuple, np.dtype]]) -> tuple[str, str] | None:
+# The most examples one reply may claim (``num-examples``): far above any partition fedsim can hold in memory,
+# far below what would let one reply outweigh the rest in float64 (1e308 turned the global model to zeros).
+MAX_NUM_EXAMPLES = 10**9
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_layout(head: bytes) -> tuple[tuple[int, ...], np.dtype] | None:
+    """Shape and dtype of an ``np.save`` header (numpy's own parser), or None when it is no header of plain
+    numbers (Python objects, an unknown format version, garbage)."""
+    f = io.BytesIO(head)
+    try:
+        version = np.lib.format.read_magic(f)
+        read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+        shape, _, dtype = read[version](f)
+    except (KeyError, ValueError, TypeError, SyntaxError, EOFError):
+        return None
+    if dtype.hasobject or any(not isinstance(d, int) or d < 0 for d in shape):
+        return None
+    return tuple(shape), dtype
+
+
+def array_problem(name: str, a: Array) -> str | None:
+    """Why an Array's bytes are not the numpy array its metadata declares (None when they are).
+
+    Flower decodes an Array with ``np.load`` on its bytes and trusts neither its ``dtype`` nor its ``shape``;
+    a reply whose bytes are truncated, random, or of another dtype or shape than declared would fail (or
+    silently differ) inside a strategy. Checked here from the bytes' own header, without decoding the values.
+    """
+    if a.stype != "numpy.ndarray":
+        return f"{name!r} is a {a.stype!r} array, not a numpy array"
+    data = a.data
+    if not isinstance(data, bytes) or data[:6] != b"\x93NUMPY" or len(data) < 10 or data[6] not in (1, 2):
+        return f"the bytes of {name!r} are not a numpy array"
+    size = int.from_bytes(data[8:10], "little") if data[6] == 1 else int.from_bytes(data[8:12], "little")
+    end = (10 if data[6] == 1 else 12) + size
+    layout = _npy_layout(bytes(data[:end])) if len(data) >= end else None
+    if layout is None:
+        return f"the bytes of {name!r} are not a numpy array of numbers"
+    shape, dtype = layout
+    if len(data) - end != math.prod(shape) * dtype.itemsize:
+        return f"the bytes of {name!r} hold {len(data) - end} bytes of values, not the {shape} {dtype} of their header"
+    if str(dtype) != str(a.dtype) or shape != tuple(a.shape):
+        return f"the bytes of {name!r} are {dtype} {shape}, but it declares {a.dtype} {tuple(a.shape)}"
+    return None
+
+
+def _whole(v: object, low: float, high: float) -> bool:
+    """A whole number (int, or float without a fraction) in ``[low, high]``; not a bool."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) and v == int(v) and low <= v <= high
+
+
+def check_reply_content(
+    rep: Message, reference: dict[str, tuple[tuple, np.dtype]], partition: int | None = None
+) -> tuple[str, str] | None:
     """Why a (non-error) train reply cannot be aggregated: ``(kind, detail)``, or None when it can.
 
-    ``reference`` maps each array name of the global model to its ``(shape, dtype)``. The detail names what is
+    ``reference`` maps each array name of the global model to its ``(shape, dtype)``; ``partition`` is the
+    partition the replying node holds (from discovery), when known. The detail names the node and what is
     missing or different, so a client that is not fedsim's (or trains another model) is recognisable in the log.
     """
     c = rep.content
@@ -297,6 +356,32 @@ def check_reply_content(rep: Message, reference: dict[str, tuple[tuple, np.dtype
                 f"reply from {_node(rep)} lacks a number >= 0 for metric {key!r} "
                 f"(metrics: {_names(metrics.keys())}); is it fedsim's ClientApp?"
             )
+    pid, n = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
+    if not _whole(pid, 0, 2**31):
+        return (
+            "malformed",
+            f"reply from {_node(rep)}: partition-id {pid!r} is not a whole number in [0, 2^31]",
+        )
+    if partition is not None and int(pid) != partition:
+        return (
+            "malformed",
+            f"reply from {_node(rep)}: partition-id {int(pid)}, but the node holds partition {partition}",
+        )
+    if not _whole(n, 0, MAX_NUM_EXAMPLES):
+        return "malformed", (
+            f"reply from {_node(rep)}: num-examples {n!r} is not a whole number in [0, {MAX_NUM_EXAMPLES:.0e}]"
+        )
+    for k, v in metrics.items():
+        ok = isinstance(v, (int, float)) or (
+            isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+        )
+        if not ok or isinstance(v, bool):
+            return "malformed", f"reply from {_node(rep)}: metric {k!r} is not a number ({type(v).__name__})"
+    for rec in c.array_records.values():
+        for k, a in rec.items():
+            why = array_problem(k, a)
+            if why is not None:
+                return "malformed", f"reply from {_node(rep)}: {why}"
     got = {k: (tuple(a.shape), a.dtype) for k, a in arrs.items()}
     if set(got) != set(reference):
         missing, extra = set(reference) - set(got), set(got) - set(reference)
@@ -319,26 +404,53 @@ def check_reply_content(rep: Message, reference: dict[str, tuple[tuple, np.dtype
     loss = metrics.get(keys.TRAIN_LOSS, 0.0)
     if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
         return "nonfinite", f"NaN or Inf train loss from {_node(rep)}"
-    if not all(np.isfinite(array_values(a, writable=False)).all() for a in arrs.values()):
-        return "nonfinite", f"NaN or Inf in the update from {_node(rep)}"
+    for rec in c.array_records.values():
+        if not all(np.isfinite(array_values(a, writable=False)).all() for a in rec.values()):
+            return "nonfinite", f"NaN or Inf in the update from {_node(rep)}"
     return None
+
+
+def _layout(rep: Message) -> tuple:
+    """What every reply of a round must share for Flower's aggregation: record names and kinds, metric keys."""
+    c = rep.content
+    records = tuple(sorted((k, type(r).__name__) for k, r in c.items()))
+    return records, tuple(sorted(c[keys.METRICS].keys()))
+
+
+def _differs(rep: Message, layout: tuple) -> str:
+    mine = _layout(rep)
+    parts = []
+    for what, have, want in (("records", mine[0], layout[0]), ("metrics", mine[1], layout[1])):
+        extra, missing = set(have) - set(want), set(want) - set(have)
+        name = (lambda x: x[0]) if what == "records" else (lambda x: x)
+        if extra:
+            parts.append(f"extra {what} {_names(name(x) for x in extra)}")
+        if missing:
+            parts.append(f"no {what} {_names(name(x) for x in missing)}")
+    return f"reply from {_node(rep)}: unlike the round's other replies it has {'; '.join(parts)}"
 
 
 def screen_replies(
     replies: Iterable[Message], reference: ArrayRecord, partitions: Mapping[int, int] | None = None
 ) -> tuple[list[Message], list[tuple[str, str]]]:
-    """Split train replies into valid ones and failures ``(kind, detail)``.
+    """Split train replies into valid ones and failures ``(kind, detail)``: nothing a strategy is given can make
+    it fail.
 
     A reply fails if it is an error (kind ``error``; ``timeout`` for a simulated one; ``unavailable`` when
-    the SuperLink reports the node or message gone), lacks its ArrayRecord or MetricRecord, or the metrics
-    ``partition-id`` and ``num-examples`` (``malformed``: a client that is not fedsim's), has arrays whose
-    names or shapes (``shape``) or dtypes (``dtype``) differ from ``reference``, or holds NaN/Inf in its
-    arrays or train loss (``nonfinite``). Each detail names the node and what is missing or different.
+    the SuperLink reports the node or message gone), or (``malformed``) lacks its ArrayRecord or MetricRecord,
+    or the metrics ``partition-id`` and ``num-examples`` (a client that is not fedsim's), holds a partition id
+    that is not a whole number, not its node's partition, or another reply's; a ``num-examples`` that is not a
+    whole number in ``[0, MAX_NUM_EXAMPLES]``; a metric that is not a number; an array whose bytes are not the
+    numpy array its metadata declares (truncated, random, another dtype or shape, not numpy); records or metric
+    keys unlike the round's other replies (those most replies share); or when every reply has
+    ``num-examples`` 0 (nothing to weight by). It fails too if its array names or shapes (``shape``) or dtypes
+    (``dtype``) differ from ``reference``, or it holds NaN/Inf in its arrays or train loss (``nonfinite``).
+    Each detail names the node and what is missing or different.
 
     ``partitions`` maps node ids to partition ids (from discovery): a reply without ``partition-id`` from a
-    node listed there (a stock Flower ClientApp) gets its node's partition in a new MetricRecord. When such a
-    reply's arrays do not fit ``reference``, no round can ever use that client: ``RunError``, one line naming
-    the mismatch.
+    node listed there (a stock Flower ClientApp) gets its node's partition in a new MetricRecord, and a reply
+    from a node that is not listed fails. When a stock ClientApp's arrays do not fit ``reference``, no round can
+    ever use that client: ``RunError``, one line naming the mismatch.
     """
     ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
     valid, failures = [], []
@@ -351,8 +463,15 @@ def screen_replies(
                 kind = "timeout" if "SimulatedTimeout" in reason else "error"
             failures.append((kind, first_line(reason)))
             continue
+        node = int(rep.metadata.src_node_id)
+        if partitions and node not in partitions:
+            failures.append(("malformed", f"reply from {_node(rep)}, which is not one of the run's clients"))
+            continue
         foreign = rep.has_content() and partitions is not None and _adopt(rep, partitions)
-        problem = check_reply_content(rep, ref) if rep.has_content() else ("malformed", "an empty reply")
+        expected = partitions.get(node) if partitions else None
+        problem = (
+            check_reply_content(rep, ref, expected) if rep.has_content() else ("malformed", "an empty reply")
+        )
         if problem is not None and foreign and problem[0] in ("shape", "dtype"):
             raise RunError(
                 f"{problem[1]}: its ClientApp (not fedsim's) trains another model than the configured one; "
@@ -362,7 +481,38 @@ def screen_replies(
             failures.append(problem)
             continue
         valid.append(rep)
-    return valid, failures
+    return _screen_together(valid, failures)
+
+
+def _screen_together(valid: list[Message], failures: list) -> tuple[list[Message], list[tuple[str, str]]]:
+    """The checks across a round's replies: one reply per partition, one layout, some examples to weight by."""
+    seen: dict[int, int] = {}
+    unique = []
+    for rep in valid:
+        pid = int(rep.content[keys.METRICS][keys.PARTITION_ID])
+        if pid in seen:
+            failures.append(
+                (
+                    "malformed",
+                    f"reply from {_node(rep)}: partition-id {pid} is node {seen[pid]}'s reply's too",
+                )
+            )
+            continue
+        seen[pid] = int(rep.metadata.src_node_id)
+        unique.append(rep)
+    if len(unique) > 1:
+        counts = Counter(_layout(r) for r in unique)
+        top = max(counts.values())  # the layout most replies share; on a tie the one with the fewest keys
+        layout = min((lay for lay, c in counts.items() if c == top), key=lambda lay: (len(lay[1]), lay))
+        failures += [("malformed", _differs(r, layout)) for r in unique if _layout(r) != layout]
+        unique = [r for r in unique if _layout(r) == layout]
+    if unique and all(r.content[keys.METRICS][keys.NUM_EXAMPLES] == 0 for r in unique):
+        failures += [
+            ("malformed", f"reply from {_node(r)}: num-examples is 0 in every reply (nothing to weight by)")
+            for r in unique
+        ]
+        unique = []
+    return unique, failures
 
 
 def _adopt(rep: Message, partitions: Mapping[int, int]) -> bool:

@@ -42,6 +42,9 @@ def check_device(key: str, name: Any) -> str:
     return str(name)
 
 
+MAX_THREADS = 256  # torch threads per client: more than any machine's cores (1000 would only oversubscribe)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where clients and the server compute (the ``placement`` group)."""
@@ -60,7 +63,7 @@ class Placement:
         check_device("server_device", self.server_device)
         number("num_cpus_per_client", self.num_cpus_per_client, 0.0, lo_open=True)
         number("num_gpus_per_client", self.num_gpus_per_client, 0.0)
-        integer("threads_per_client", self.threads_per_client, 1)
+        integer("threads_per_client", self.threads_per_client, 1, MAX_THREADS)
 
 
 ENGINES = ("auto", "inprocess", "vectorized", "ray")

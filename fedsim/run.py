@@ -32,12 +32,12 @@ from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from fedsim import __version__, checkpoint, schema
+from fedsim import __version__, build, checkpoint, schema
 from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks
 from fedsim.config import quiet_loggers
 from fedsim.engines import EngineRunner
-from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals
+from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
 from fedsim.experiment import Experiment, build_experiment
 from fedsim.figures import FigureWorker
 from fedsim.grid_utils import StoppableView
@@ -125,8 +125,7 @@ def _one_line(e: BaseException) -> str:
         return str(e)
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
-    first = (str(e).strip().splitlines() or [""])[0][:300]
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+    return where_it_failed(e)  # FILE:LINE: Type: message, the line of the user's code where there is one
 
 
 PROGRESS_MODES = ("auto", "bar", "lines")
@@ -180,6 +179,9 @@ class Run:
         records: list[dict] = []
         lock_run_folder(out_dir)  # first: a folder another live run writes to is refused before any write
         try:
+            checkpoint.remove_stale_temporaries(
+                out_dir
+            )  # what a killed run was writing; this run holds the lock
             self.figures = start_figures()  # first: it imports matplotlib while the run sets up
             target = cfg.get(f"target_{exp.task.metric}")
             self.watch = TargetWatch(target, bool(cfg.get("stop_at_target")), exp.task)
@@ -221,7 +223,23 @@ class Run:
         checkpoint.check_rounds(ckpt, self.exp.loop.num_rounds, path)
         self.strategy = checkpoint.restore(ckpt, self.state, self.strategy)
         where = Path(path).expanduser()
-        client_state.resume(where if where.is_dir() else where.parent, self.state.round, self.out_dir)
+        try:
+            client_state.resume(
+                where if where.is_dir() else where.parent,
+                self.state.round,
+                self.out_dir,
+                ckpt.get("client_state"),
+                recorded="client_state" in ckpt,
+                stateful=build.client_algorithm(json.loads(self.exp.spec_json)).stateful,
+            )
+        except client_state.MissingState as e:
+            raise ConfigError(
+                "resume",
+                path,
+                "a checkpoint together with its clients' state",
+                f"{str(e)[:1].upper()}{str(e)[1:]}: resuming would restart every client's state from zero. Resume from "
+                f"the run folder that holds both (copy {client_state.CHECKPOINT_DIR}/ with checkpoint.pt).",
+            ) from None
         if self.state.target_reached is not None and self.state.target_reached.target != self.watch.target:
             self.state.target_reached = None  # reached for another target
         log.warning("resuming from %s at round %d", path, self.state.round)
@@ -240,8 +258,10 @@ class Run:
     def save_checkpoint(self) -> None:
         """checkpoint.pt of the current state and the records up to it."""
         records = [r for r in self.recorder.records if r[schema.ROUND] <= self.state.round]
-        client_state.checkpoint(self.out_dir, self.state.round)  # the clients' state of the same round
-        checkpoint.save(self.ckpt_path, self.state, self.strategy, records, self.exp.resolved)
+        # one unit: the clients' state of the round first, then checkpoint.pt, and only then older snapshots go
+        clients = client_state.checkpoint(self.out_dir, self.state.round)
+        checkpoint.save(self.ckpt_path, self.state, self.strategy, records, self.exp.resolved, clients)
+        client_state.prune(self.out_dir, self.state.round)
         self.ckpt_round = self.state.round
 
     def server_main(self, grid: Grid, deployed: bool) -> None:

@@ -14,7 +14,8 @@ only through the functions below (never by probing attributes elsewhere):
 capability                    meaning
 ============================  ===============================================================================
 :class:`Stateful`             ``state_dict()`` / ``load_state_dict(state)``: what a checkpoint keeps. Without
-                              them the strategy object is pickled into the checkpoint.
+                              them (and besides them) a checkpoint keeps the strategy's attributes that
+                              hold plain data (:func:`plain_state`); nothing is pickled.
 :class:`ChecksCohort`         ``check_cohort(clients_per_round)`` raises ``ConfigError`` before any work when
                               the cohort is too small for it (e.g. Krum's ``2f + 3``).
 :class:`SamplesCohort`        ``sample_cohort(server_round, num_clients, clients_per_round)`` returns the
@@ -42,8 +43,6 @@ capability                    meaning
 
 from __future__ import annotations
 
-import io
-import pickle as _pickle
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -131,7 +130,8 @@ def is_async(strategy: object) -> bool:
 
 
 def state_dict(strategy: object) -> dict[str, Any] | None:
-    """The strategy's ``state_dict()``, or None when it has none (checkpoints then pickle the object)."""
+    """The strategy's ``state_dict()``, or None when it has none (checkpoints then keep its plain-data
+    attributes: :func:`plain_state`)."""
     return strategy.state_dict() if isinstance(strategy, Stateful) else None
 
 
@@ -207,36 +207,179 @@ def train_metrics(strategy: object, replies: Iterable[Message], key: str) -> Met
     return aggr([m.content for m in replies], key) if callable(aggr) else None
 
 
-class _Unpickler(_pickle.Unpickler):
-    """Reads strategies pickled by checkpoint format 1, when they were a top-level ``strategies`` package."""
-
-    def find_class(self, module: str, name: str):
-        if module == "strategies" or module.startswith("strategies."):
-            module = "fedsim." + module
-        return super().find_class(module, name)
-
-
 def inner_state(inner: object) -> dict[str, Any]:
-    """A wrapper's checkpoint entries for the strategy it wraps: its ``state_dict()``, or the object pickled when
-    it has none (``inner_state`` / ``inner_pickle``)."""
-    state = state_dict(inner)
-    return {"inner_state": state, "inner_pickle": None if state is not None else pickle(inner)}
+    """A wrapper's checkpoint entries for the strategy it wraps: its ``state_dict()`` (``inner_state``) and its
+    plain-data attributes (``inner_attrs``, see :func:`plain_state`). Nothing is pickled."""
+    return {"inner_state": state_dict(inner), "inner_attrs": plain_state(inner)}
 
 
 def load_inner_state(inner: object, state: dict[str, Any]) -> object:
-    """The wrapped strategy after restoring what :func:`inner_state` wrote (loaded in place, or unpickled)."""
+    """The wrapped strategy after restoring, in place, what :func:`inner_state` wrote."""
+    if state.get("inner_attrs") is not None:
+        load_plain_state(inner, state["inner_attrs"])
     if state.get("inner_state") is not None:
         inner.load_state_dict(state["inner_state"])
-    elif state.get("inner_pickle") is not None:
-        return unpickle(state["inner_pickle"])
     return inner
 
 
-def pickle(strategy: object) -> bytes:
-    """A strategy without ``state_dict`` as checkpoints keep it."""
-    return _pickle.dumps(strategy)
+# ------------------------------------------------------------------------------ plain-data attributes
+# Attributes set from the keys a resumed run may change (``fedsim.checkpoint.FREE_KEYS``' ``strategy.*``):
+# the resumed run's config gives them, never the checkpoint.
+CONFIG_ONLY = frozenset({"default_num_rounds", "wall_clock"})
+_KINDS = ("plain", "arrays", "metrics", "config", "strategy")
+_WARNED: set[str] = set()
 
 
-def unpickle(data: bytes) -> Any:
-    """The strategy :func:`pickle` wrote (also one written before strategies moved into ``fedsim``)."""
-    return _Unpickler(io.BytesIO(data)).load()
+def is_plain(value: object) -> bool:
+    """True for plain data: None, bool, int, float, complex, str, bytes, numeric numpy arrays and scalars,
+    torch tensors, and lists, tuples, sets and dicts (string or integer keys) of those."""
+    import numpy as np
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.dtype.kind in "biufc"
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and is_plain(v) for k, v in value.items())
+    return False
+
+
+def _class_name(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _leaves(node: object, out: set[int]) -> set[int]:
+    out.add(id(node))
+    if isinstance(node, dict):
+        for v in node.values():
+            _leaves(v, out)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _leaves(v, out)
+    return out
+
+
+def _inherits_state_dict(strategy: object) -> bool:
+    """A user's class (not fedsim's or Flower's) whose ``state_dict()`` is its parent's: the attributes it added
+    are kept too."""
+    cls = type(strategy)
+    own = cls.__module__.split(".")[0] in ("fedsim", "flwr")
+    return not own and "state_dict" not in vars(cls)
+
+
+def plain_state(strategy: object) -> dict[str, Any]:
+    """The strategy's instance attributes that hold data, as a checkpoint keeps them (no pickle).
+
+    ``{"class": "module.Class", "attrs": {name: [kind, value]}}``: ``kind`` is ``plain`` (see
+    :func:`is_plain`), ``arrays`` / ``metrics`` / ``config`` (a Flower ArrayRecord / MetricRecord /
+    ConfigRecord, kept as a dict), or ``strategy`` (a strategy it holds, kept the same way, recursively).
+    Functions and other callables are configuration (rebuilt from the config); any other object cannot be
+    kept, and a warning names it once. A class that defines ``state_dict()`` itself says what it keeps: nothing
+    is added for it; a user's subclass that inherits ``state_dict()`` gets its other plain attributes kept too
+    (not those ``state_dict()`` returns, nor strategies it wraps).
+    """
+    from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
+    from flwr.serverapp.strategy import Strategy
+
+    from fedsim.strategies.records import to_numpy
+
+    stateful = isinstance(strategy, Stateful)
+    attrs: dict[str, list] = {}
+    if stateful and not _inherits_state_dict(strategy):
+        return {"class": _class_name(strategy), "attrs": attrs}
+    declared = _leaves(strategy.state_dict(), set()) if stateful else set()
+    lost = []
+    for name, value in vars(strategy).items() if hasattr(strategy, "__dict__") else ():
+        if name.startswith("__") or id(value) in declared:
+            continue
+        if isinstance(value, (Strategy, AsyncStrategy)):
+            if not stateful:
+                attrs[name] = ["strategy", plain_state(value)]
+        elif isinstance(value, ArrayRecord):
+            attrs[name] = ["arrays", to_numpy(value)]
+        elif isinstance(value, (MetricRecord, ConfigRecord)):
+            kind = "metrics" if isinstance(value, MetricRecord) else "config"
+            attrs[name] = [kind, dict(value.items())]
+        elif is_plain(value):
+            attrs[name] = ["plain", value]
+        elif not callable(value):
+            lost.append(name)
+    cls = _class_name(strategy)
+    if lost and not stateful and cls not in _WARNED:
+        _WARNED.add(cls)
+        import logging
+
+        logging.getLogger("fedsim").warning(
+            "strategy %s: attribute(s) %s hold objects that are not plain data; a checkpoint keeps its other "
+            "attributes, and a resumed run rebuilds these from the config (give the class state_dict() and "
+            "load_state_dict() to keep them)",
+            cls,
+            ", ".join(sorted(lost)[:5]),
+        )
+    return {"class": cls, "attrs": attrs}
+
+
+def check_plain_state(saved: object, where: str = "strategy") -> None:
+    """Raise ``ValueError`` naming what does not fit when ``saved`` is not what :func:`plain_state` writes."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("class"), str):
+        raise ValueError(f"{where}: expected {{'class': str, 'attrs': dict}}")
+    attrs = saved.get("attrs")
+    if not isinstance(attrs, dict):
+        raise ValueError(f"{where}: 'attrs' is not a dict")
+    for name, entry in attrs.items():
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
+            raise ValueError(f"{where}: attribute name {name!r}")
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or entry[0] not in _KINDS:
+            raise ValueError(f"{where}.{name}: expected [kind, value] with kind one of {', '.join(_KINDS)}")
+        kind, value = entry
+        if kind == "strategy":
+            check_plain_state(value, f"{where}.{name}")
+        elif kind in ("arrays", "metrics", "config"):
+            if not isinstance(value, dict) or not is_plain(value):
+                raise ValueError(f"{where}.{name}: a {kind} record that is not a dict of plain data")
+        elif not is_plain(value):
+            raise ValueError(f"{where}.{name}: a value that is not plain data ({type(value).__name__})")
+
+
+def load_plain_state(strategy: object, saved: dict[str, Any]) -> None:
+    """Set the attributes :func:`plain_state` kept on ``strategy`` (built from the run's config), in place.
+
+    Raises
+    ------
+    ConfigError
+        On ``resume`` when the checkpoint's strategy is of another class than the configured one.
+    """
+    from flwr.app import ConfigRecord, MetricRecord
+
+    from fedsim.errors import ConfigError
+    from fedsim.strategies.records import to_record
+
+    check_plain_state(saved)
+    here = _class_name(strategy)
+    if saved["class"] != here:
+        raise ConfigError(
+            "resume",
+            saved["class"],
+            f"a checkpoint whose strategy is the configured {here}",
+            "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml).",
+        )
+    for name, (kind, value) in saved["attrs"].items():
+        if name in CONFIG_ONLY:
+            continue
+        if kind == "strategy":
+            inner = getattr(strategy, name, None)
+            if inner is not None:
+                load_plain_state(inner, value)
+            continue
+        if kind == "arrays":
+            value = to_record(value)
+        elif kind == "metrics":
+            value = MetricRecord(value)
+        elif kind == "config":
+            value = ConfigRecord(value)
+        setattr(strategy, name, value)

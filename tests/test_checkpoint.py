@@ -2,9 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
-from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
+from helpers import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim.errors import ConfigError
 
@@ -33,7 +34,12 @@ def test_resume_with_adaptive_clipping_and_accountant_is_bit_identical(tmp_path)
     # the clip norm, the noise stream and the privacy accountant all continue where they stopped; the full run
     # draws the same noise and Poisson cohorts (every round non-empty) because its noise seed is set
     # (test_privacy.py: a drawn noise seed is checkpointed too)
-    over = ["clipping=adaptive", "clipping.noise_multiplier=0.5", "clipping.noise_seed=1"]
+    over = [
+        "clipping=adaptive",
+        "clipping.noise_multiplier=0.5",
+        "clipping.noise_seed=1",
+        "clipping.debug_noise_seed=true",
+    ]
     over += ["num_rounds=4", "checkpoint_every=2"]
     run_tiny(tmp_path / "full", *over)
     run_tiny(tmp_path / "part", *over[:-2], "num_rounds=2", "checkpoint_every=2")
@@ -256,3 +262,109 @@ NEW_KEYS = (
     "optimize_metric",
     "target_r2",
 )
+
+
+# ----------------------------------------------- checkpoint.pt and the clients' state are one unit (issue 28)
+def _client_files(root, names):
+    root.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        np.savez(root / name, c=np.full(2, float(name.split("-")[1].split(".")[0])))
+
+
+def test_the_old_snapshot_stays_until_the_new_checkpoint_is_in_place(tmp_path):
+    from fedsim.algorithms import state as cs
+
+    run = tmp_path / "run"
+    _client_files(run / cs.STATE_DIR, ["0-1.npz", "1-1.npz"])
+    first = cs.checkpoint(run, 1)
+    assert first == {"round": 1, "files": ["0-1.npz", "1-1.npz"]}
+    cs.prune(run, 1)
+    _client_files(run / cs.STATE_DIR, ["0-4.npz", "1-4.npz"])
+    cs.checkpoint(run, 4)  # killed here: checkpoint.pt of round 4 was never written
+    assert sorted(p.name for p in (run / cs.CHECKPOINT_DIR).iterdir()) == ["round-1", "round-4"]
+    cs.resume(run, 1, tmp_path / "resumed", first)  # the round-1 checkpoint still finds its own snapshot
+    assert sorted(p.name for p in (tmp_path / "resumed" / cs.STATE_DIR).iterdir()) == ["0-1.npz", "1-1.npz"]
+    cs.prune(run, 4)  # once round 4's checkpoint.pt is in place
+    assert [p.name for p in (run / cs.CHECKPOINT_DIR).iterdir()] == ["round-4"]
+
+
+def test_a_missing_or_mismatched_client_snapshot_is_refused(tmp_path):
+    from fedsim.algorithms import state as cs
+
+    run = tmp_path / "run"
+    _client_files(run / cs.STATE_DIR, ["0-2.npz", "1-2.npz"])
+    rec = cs.checkpoint(run, 2)
+    (run / cs.CHECKPOINT_DIR / "round-2" / "1-2.npz").unlink()
+    with pytest.raises(
+        cs.MissingState, match=r"round 2 .* does not match the checkpoint \(missing 1-2\.npz\)"
+    ):
+        cs.resume(run, 2, tmp_path / "b", rec)
+    with pytest.raises(cs.MissingState, match="round 3 .* is missing"):
+        cs.resume(run, 3, tmp_path / "b", {"round": 3, "files": ["0-3.npz"]})
+    with pytest.raises(cs.MissingState, match="is missing"):  # an older checkpoint, stateful clients
+        cs.resume(tmp_path / "elsewhere", 2, tmp_path / "b", None, recorded=False, stateful=True)
+    assert not (tmp_path / "b" / cs.STATE_DIR).exists()  # nothing started from zero
+    cs.resume(tmp_path / "elsewhere", 2, tmp_path / "b", None, recorded=False, stateful=False)  # stateless
+
+
+_KILL_IN_THE_WINDOW = """
+import os, signal, sys, torch
+from fedsim.config import compose
+from fedsim.run import run_experiment
+
+real, n = torch.save, [0]
+
+
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and "format" in obj:
+        n[0] += 1
+        if n[0] == int(sys.argv[2]):  # the snapshot of this round is written, checkpoint.pt half-written
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+    return real(obj, f, *args, **kwargs)
+
+
+torch.save = save
+run_experiment(compose(*sys.argv[3:]), sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_a_kill_inside_the_checkpoint_window_resumes_every_clients_state(tmp_path):
+    """SCAFFOLD (stateful clients), SIGKILL while checkpoint.pt of round 4 is written, its clients' snapshot
+    already there: checkpoint.pt stays at round 2 with its own snapshot, the resume removes the half-written
+    temporary and ends bit-identical to an uninterrupted run; a checkpoint.pt without its snapshot is refused."""
+    import subprocess
+    import sys
+
+    from fedsim.algorithms import state as cs
+
+    over = ["strategy=scaffold", "num_rounds=6", "checkpoint_every=2"]
+    run_tiny(tmp_path / "full", *over)
+    args = [str(tmp_path / "part"), "2", *TINY, *over]
+    res = subprocess.run([sys.executable, "-c", _KILL_IN_THE_WINDOW, *args], capture_output=True, text=True)
+    assert res.returncode == -9, res.stderr[-2000:]
+    part = tmp_path / "part"
+    assert torch.load(part / "checkpoint.pt", weights_only=False)["round"] == 2
+    assert (part / cs.CHECKPOINT_DIR / "round-2").is_dir() and (part / cs.CHECKPOINT_DIR / "round-4").is_dir()
+    assert [p.name for p in part.glob(".checkpoint.pt.*.tmp")]  # what the kill left
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    (lonely / "checkpoint.pt").write_bytes((part / "checkpoint.pt").read_bytes())
+    with pytest.raises(ConfigError, match=r"^resume=.*clients' state of round 2 .* is missing") as e:
+        run_tiny(tmp_path / "refused", *over, f"resume={lonely / 'checkpoint.pt'}")
+    assert "\n" not in str(e.value)
+    run_tiny(part, *over, f"resume={part}")  # in place
+    assert not list(part.glob(".checkpoint.pt.*.tmp"))
+    assert [p.name for p in (part / cs.CHECKPOINT_DIR).iterdir()] == ["round-6"]
+    assert without_wall_time(read_metrics(part)) == without_wall_time(read_metrics(tmp_path / "full"))
+    assert _same_models(part, tmp_path / "full")
+
+
+def test_strategy_attributes_a_resume_may_change_come_from_the_config():
+    """The strategy keys a resumed run may change (FREE_KEYS) are the attributes a checkpoint never restores."""
+    from fedsim.checkpoint import FREE_KEYS
+    from fedsim.strategies import base
+
+    assert {k.split(".", 1)[1] for k in FREE_KEYS if k.startswith("strategy.")} == base.CONFIG_ONLY

@@ -8,6 +8,7 @@ not exist. docs/extending.md describes the same folder.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -261,3 +262,122 @@ def test_a_users_own_task_names_the_metric_and_its_direction(user_folder):
     assert summary["best_eval_mae"] == min(maes) and summary["final_eval_mae"] == maes[-1]
     first = next((ln["round"] for ln in lines if ln["eval_mae"] <= 0.9), None)
     assert summary["target_mae"] == 0.9 and summary["target_round"] == first
+
+
+# --------------------------------------------------------- the guide's strategy keeps its state (issue 26)
+def _guide_block(first_line: str) -> str:
+    """The code block of docs/extending.md that starts with ``first_line``, verbatim."""
+    text = (Path(__file__).parent.parent / "docs" / "extending.md").read_text()
+    blocks = re.findall(r"```(?:python|yaml)\n(.*?)```", text, flags=re.S)
+    found = [b for b in blocks if b.startswith(first_line + "\n")]
+    assert len(found) == 1, f"docs/extending.md has no single block starting {first_line!r}"
+    return found[0]
+
+
+@pytest.fixture
+def guide_strategy(tmp_path, monkeypatch):
+    """The guide's mystrategy.py and conf/strategy/counting.yaml, copied from the docs into a folder."""
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "mystrategy.py").write_text(_guide_block("# mystrategy.py"))
+    (tmp_path / "conf" / "strategy" / "counting.yaml").write_text(
+        _guide_block("# conf/strategy/counting.yaml")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mystrategy", None)
+    yield tmp_path
+    sys.modules.pop("mystrategy", None)
+
+
+def test_the_guides_strategy_keeps_its_count_through_a_checkpoint(guide_strategy, tmp_path):
+    """CountingAvg, as the guide writes it (no state_dict): its round count is in the checkpoint as plain data
+    (no pickle) and a strategy built from the config gets it back."""
+    from flwr.app import ArrayRecord
+    from mystrategy import CountingAvg
+
+    from fedsim import checkpoint
+    from fedsim.state import RunState
+
+    s = CountingAvg(tag="mine")
+    s.rounds = 48
+    state = RunState(arrays=ArrayRecord({"w": torch.zeros(2)}), round=48)
+    checkpoint.save(tmp_path / "checkpoint.pt", state, s, [])
+    names = torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "checkpoint.pt")
+    assert all(n.startswith("numpy") for n in names), names
+    fresh = CountingAvg(tag="mine")
+    back = checkpoint.restore(
+        checkpoint.load(tmp_path / "checkpoint.pt"), RunState(arrays=state.arrays), fresh
+    )
+    assert back is fresh and fresh.rounds == 48 and fresh.summary_fields()["counting_avg"]["rounds"] == 48
+
+
+@pytest.mark.slow
+def test_the_guides_strategy_counts_on_after_a_resume(guide_strategy, tmp_path):
+    """The issue's case: resumed at round 3, round 4 reports 4 (it reported 1 when the count was lost)."""
+    from fedsim.run import run_experiment
+
+    over = ["strategy=counting", *TINY[:2], "quiet=true", "checkpoint_every=1"]
+    search = [str(guide_strategy / "conf")]
+    run_experiment(compose(*over, "num_rounds=3", searchpath=search), tmp_path / "a")
+    summary = run_experiment(
+        compose(*over, "num_rounds=5", f"resume={tmp_path / 'a'}", searchpath=search), tmp_path / "b"
+    )
+    lines = [json.loads(ln) for ln in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [ln["counting_rounds"] for ln in lines if "counting_rounds" in ln] == [1, 2, 3, 4, 5]
+    assert summary["counting_avg"] == {"tag": "mine", "rounds": 5}
+
+
+# ------------------------------------------------------------- the user's own files and code fail in one line
+BROKEN = {
+    "conf/dataset/broken.yaml": "_target_: mydata.blobs\nn: [1, 2\nspread: 1.0\n",
+    "conf/dataset/raising.yaml": "_target_: myraising.blobs\n",
+    "myraising.py": "def blobs(seed, n=40):\n    raise ValueError('boom in my loader')\n",
+    "conf/strategy/syntax.yaml": "_target_: mysyntax.Strat\n",
+    "mysyntax.py": "import math\nx = (\n",
+    "conf/strategy/imports.yaml": "_target_: myimports.Strat\n",
+    "myimports.py": "import math\nimport not_a_package_anywhere_xyz\n",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "override, status, says",
+    [
+        ("dataset=broken", 2, r"conf/dataset/broken\.yaml, line 3: not valid YAML \(expected ',' or ']'"),
+        ("dataset=raising", 1, r"myraising\.py:2: ValueError: boom in my loader"),
+        ("strategy=syntax", 2, r"Importing it failed: .*mysyntax\.py:2: SyntaxError"),
+        (
+            "strategy=imports",
+            2,
+            r"myimports\.py:2: ModuleNotFoundError: No module named 'not_a_package_anywhere",
+        ),
+    ],
+)
+def test_the_users_broken_file_or_code_is_one_line_naming_file_and_line(user_folder, override, status, says):
+    for name, text in BROKEN.items():
+        (user_folder / name).write_text(text)
+    res = fedsim(
+        f"hydra.searchpath=[file://{user_folder}/conf]", override, "hydra.run.dir=run", *TINY, cwd=user_folder
+    )
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim:")]
+    assert res.returncode == status and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert len(lines) == 1 and re.search(says, lines[0]), res.stderr[-3000:]
+    assert not (user_folder / "run").exists()  # no half-written run folder
+
+
+def test_where_it_failed_names_the_users_line_through_wrappers(tmp_path, monkeypatch):
+    from hydra.errors import InstantiationException
+
+    from fedsim.errors import where_it_failed
+
+    (tmp_path / "mycode.py").write_text("def f():\n    return 1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("mycode", None)
+    import mycode
+
+    try:
+        try:
+            mycode.f()
+        except ZeroDivisionError as e:
+            raise InstantiationException("Error in call to target 'mycode.f'") from e
+    except InstantiationException as e:
+        assert where_it_failed(e) == f"{tmp_path / 'mycode.py'}:2: ZeroDivisionError: division by zero"

@@ -7,11 +7,14 @@ the disk, resume a crafted checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
+import io
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -289,52 +292,187 @@ def _plain_checkpoint(**changes) -> dict:
     return ckpt
 
 
-def test_a_crafted_checkpoint_runs_nothing_and_is_one_line_naming_it(tmp_path):
-    marker = tmp_path / "pwned"
-    cases = {
-        "top.pt": _plain_checkpoint(extra={"x": _Evil(marker)}),
-        "inner.pt": _plain_checkpoint(strategy_state={"inner_pickle": pickle.dumps(_Evil(marker))}),
-        "old.pt": _plain_checkpoint(format=2, strategy_pickle=pickle.dumps(_Evil(marker), protocol=0)),
+class MakesFileOnNew:
+    """A class whose ``__new__`` creates ``MakesFileOnNew.path`` (or the path it is given)."""
+
+    path = ""
+
+    def __new__(cls, path=None, **kwargs):
+        Path(path or cls.path).write_text("pwned")
+        return super().__new__(cls)
+
+
+class MakesFileOnSetstate:
+    """A class whose ``__setstate__`` creates the file its state names."""
+
+    def __setstate__(self, state):
+        Path(state["path"]).write_text("pwned")
+
+
+def _payloads(marker: Path) -> dict[str, bytes]:
+    """Hand-built pickles, one per opcode that can call something; a plain unpickler creates ``marker``."""
+    path = str(marker).encode()
+    mod = __name__.encode()
+    p4 = pickle.PROTO + b"\x04"
+    return {
+        "REDUCE": b"cbuiltins\nopen\n(V" + path + b"\nVw\ntR.",
+        "REDUCE-os": b"cos\nsystem\n(Vtouch " + path + b"\ntR.",
+        "INST": b"(V" + path + b"\nVw\nibuiltins\nopen\n.",
+        "OBJ": b"(cbuiltins\nopen\nV" + path + b"\nVw\no.",
+        "NEWOBJ": b"\x80\x02c" + mod + b"\nMakesFileOnNew\nV" + path + b"\n\x85\x81.",
+        "NEWOBJ_EX": p4 + b"c" + mod + b"\nMakesFileOnNew\n)}Vpath\nV" + path + b"\ns\x92.",
+        "BUILD": b"\x80\x02c" + mod + b"\nMakesFileOnSetstate\n)\x81}Vpath\nV" + path + b"\nsb.",
+        "nested-bytes": pickle.dumps({"blob": pickle.dumps(_Evil(marker))}),
     }
+
+
+def test_every_payload_would_run_under_a_plain_unpickler(tmp_path):
+    """The payloads below are real: a plain unpickler creates the marker file with each one (but the last,
+    whose pickle is only data holding another pickle)."""
+    for name, data in _payloads(tmp_path / "m").items():
+        if name in ("REDUCE-os", "nested-bytes"):
+            continue
+        marker = tmp_path / "m"
+        marker.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            pickle.loads(data)
+        assert marker.exists(), name
+
+
+def test_the_safe_unpickler_calls_and_imports_nothing_of_a_strategy_pickle(tmp_path):
+    """Every opcode that can call is refused or, for a strategy's own class (NEWOBJ, BUILD), read as a record:
+    the class is neither imported, constructed nor given its state."""
+    marker = tmp_path / "m"
+    MakesFileOnNew.path = str(marker)
+    for name, data in _payloads(marker).items():
+        try:
+            out = checkpoint._StrategyPickleReader(io.BytesIO(data)).load()
+        except checkpoint.UnsafePickle:
+            out = None
+        assert not marker.exists(), name
+        assert out is None or isinstance(out, (checkpoint._Record, dict)), name
+    no_args = b"\x80\x02c" + __name__.encode() + b"\nMakesFileOnNew\n)\x81."
+    rec = checkpoint._StrategyPickleReader(io.BytesIO(no_args)).load()
+    assert isinstance(rec, checkpoint._Record) and str(rec.cls).endswith("MakesFileOnNew")
+    assert not marker.exists()
+    for name in ("REDUCE", "REDUCE-os", "INST", "OBJ", "NEWOBJ", "NEWOBJ_EX"):
+        with pytest.raises(checkpoint.UnsafePickle):
+            checkpoint._StrategyPickleReader(io.BytesIO(_payloads(marker)[name])).load()
+
+
+def _torch_file_with_pickle(path: Path, data_pkl: bytes) -> None:
+    """A torch zip checkpoint whose top-level pickle is ``data_pkl`` (what torch.load unpickles first)."""
+    import zipfile
+
+    torch.save({"a": 1}, path)
+    with zipfile.ZipFile(path) as z:
+        entries = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as out:
+        for n, content in entries.items():
+            out.writestr(n, data_pkl if n.endswith("/data.pkl") else content)
+
+
+def test_a_crafted_checkpoint_runs_nothing_and_is_one_line_naming_it(tmp_path):
+    """Each payload in each field a resume reads (the file's own pickle; a format-2 strategy pickle; a format-3
+    wrapper's pickled inner strategy, nested; an object where plain data belongs) is refused in one line, and
+    no payload creates its file."""
+    marker = tmp_path / "pwned"
+    MakesFileOnNew.path = str(marker)
+    cases: dict[str, object] = {}
+    for field in ("extra", "records", "config", "arrays", "strategy_state", "strategy_attrs", "client_state"):
+        cases[f"object-in-{field}.pt"] = _plain_checkpoint(**{field: {"x": _Evil(marker)}})
+    for name, data in _payloads(marker).items():
+        if name == "nested-bytes":
+            continue
+        cases[f"top-{name}.pt"] = data  # the file's own pickle
+        cases[f"format2-{name}.pt"] = _plain_checkpoint(format=2, strategy_pickle=data)
+        nested = {"clip_norm": 1.0, "inner": [{"inner_state": None, "inner_pickle": data}]}
+        cases[f"format3-inner-{name}.pt"] = _plain_checkpoint(format=3, strategy_state=nested)
+    from fedsim.strategies.fedavg import FedAvg
+
     for name, ckpt in cases.items():
-        torch.save(ckpt, tmp_path / name)
-        with pytest.raises(
-            ConfigError, match=rf"^resume=.*{name}.*(nothing of it was run|it was not loaded)"
-        ) as err:
-            checkpoint.load(tmp_path / name)
-        assert "\n" not in str(err.value)
+        if isinstance(ckpt, bytes):
+            _torch_file_with_pickle(tmp_path / name, ckpt)
+        else:
+            torch.save(ckpt, tmp_path / name)
+        with pytest.raises(ConfigError, match=r"^resume=") as e:
+            # a pickled object of a class the file names (BUILD's case) is read as a record and refused when it
+            # is compared with the configured strategy; everything else is refused on reading
+            checkpoint.restore(checkpoint.load(tmp_path / name), _State(), FedAvg())
+        if "BUILD" not in name:
+            assert name in str(e.value) and re.search("nothing of it was run|it was not loaded", str(e.value))
+        assert "\n" not in str(e.value)
         assert not marker.exists(), name
 
 
-def test_a_damaged_checkpoint_is_one_line_naming_it(tmp_path):
-    good = tmp_path / "good.pt"
-    torch.save(_plain_checkpoint(), good)
-    data = good.read_bytes()
-    for name, content in {
-        "empty.pt": b"",
-        "truncated.pt": data[: len(data) // 2],
-        "random.pt": np.random.default_rng(0).bytes(5000),
-    }.items():
-        (tmp_path / name).write_bytes(content)
-        with pytest.raises(ConfigError, match=rf"^resume=.*{name}.* is damaged or not a checkpoint"):
-            checkpoint.load(tmp_path / name)
-    assert checkpoint.load(good)["round"] == 1
-
-
-def test_an_old_checkpoint_with_a_pickled_strategy_still_loads(tmp_path):
-    """Format 2 pickled strategies without state_dict; that pickle is read safely, not refused."""
-    from fedsim.strategies import base
+def test_a_format2_record_of_another_class_is_refused_at_restore(tmp_path):
+    """NEWOBJ without arguments of a class that is not the configured strategy: read as a record (nothing
+    constructed), then refused in one line when the resume compares it with the configured strategy."""
     from fedsim.strategies.fedavg import FedAvg
 
-    old = _plain_checkpoint(format=2, strategy_pickle=base.pickle(FedAvg(fraction_evaluate=0.0)))
-    torch.save(old, tmp_path / "old.pt")
-    restored = checkpoint.restore(checkpoint.load(tmp_path / "old.pt"), _State(), object())
-    assert isinstance(restored, FedAvg) and restored.fraction_evaluate == 0.0
+    marker = tmp_path / "pwned"
+    MakesFileOnNew.path = str(marker)
+    data = b"\x80\x02c" + __name__.encode() + b"\nMakesFileOnNew\n)\x81}Vx\nK\x01sb."
+    torch.save(_plain_checkpoint(format=2, strategy_pickle=data), tmp_path / "c.pt")
+    ckpt = checkpoint.load(tmp_path / "c.pt")
+    with pytest.raises(ConfigError, match=r"^resume='test_reliability\.MakesFileOnNew'.*FedAvg"):
+        checkpoint.restore(ckpt, _State(), FedAvg())
+    assert not marker.exists()
+
+
+def test_bytes_in_a_strategys_state_stay_bytes(tmp_path):
+    """A pickle inside plain data (a strategy attribute that is bytes, a state_dict entry) is data: kept as
+    bytes, never unpickled."""
+    marker = tmp_path / "pwned"
+    blob = pickle.dumps(_Evil(marker))
+    attrs = {"class": "fedsim.strategies.fedavg.FedAvg", "attrs": {"blob": ["plain", blob]}}
+    torch.save(_plain_checkpoint(strategy_attrs=attrs, strategy_state=None), tmp_path / "c.pt")
+    from fedsim.strategies.fedavg import FedAvg
+
+    s = checkpoint.restore(checkpoint.load(tmp_path / "c.pt"), _State(), FedAvg())
+    assert s.blob == blob and not marker.exists()
+
+
+def test_no_free_unpickler_is_reachable():
+    """fedsim's strategies module pickles and unpickles nothing; every pickle fedsim reads goes through
+    SafeUnpickler."""
+    import fedsim.checkpoint
+    import fedsim.data.vision
+    from fedsim.strategies import base
+
+    assert not hasattr(base, "unpickle") and not hasattr(base, "pickle")
+    sources = [Path(m.__file__).read_text() for m in (base, fedsim.checkpoint, fedsim.data.vision)]
+    for src in sources:
+        assert (
+            "pickle.load(" not in src
+            and "pickle.loads(" not in src
+            and "Unpickler(f" not in src.replace("SafeUnpickler(f", "")
+        )
 
 
 class _State:
     def carry(self, extra):
         self.extra = extra
+
+
+def test_an_old_checkpoint_with_a_pickled_strategy_resumes_its_attributes(tmp_path):
+    """Formats 1-2 pickled strategies without state_dict (protocols 0-5), format 3 a wrapped one: read as data,
+    their plain attributes go to the strategy the config builds."""
+    from fedsim.strategies.fedavg import FedAvg
+
+    old = FedAvg(fraction_evaluate=0.0)
+    old.rounds = 7  # a user's subclass would count like this
+    for proto in range(6):
+        data = pickle.dumps(old, protocol=proto)
+        torch.save(_plain_checkpoint(format=2, strategy_pickle=data), tmp_path / "old.pt")
+        fresh = FedAvg()
+        restored = checkpoint.restore(checkpoint.load(tmp_path / "old.pt"), _State(), fresh)
+        assert restored is fresh and fresh.rounds == 7 and fresh.fraction_evaluate == 0.0, proto
+    fmt1 = pickle.dumps(old, protocol=2).replace(b"fedsim.strategies.fedavg", b"strategies.fedavg")
+    torch.save(_plain_checkpoint(format=1, strategy_pickle=fmt1), tmp_path / "f1.pt")
+    fresh = FedAvg()
+    checkpoint.restore(checkpoint.load(tmp_path / "f1.pt"), _State(), fresh)
+    assert fresh.rounds == 7
 
 
 def test_resume_below_the_checkpoints_round_is_refused():
@@ -797,7 +935,13 @@ def test_joblib_sweeps_exit_non_zero_on_a_failed_job_and_summarise_only_their_jo
     [
         ["strategy=fedavg"],
         ["strategy=fedavgm"],
-        ["strategy=fedadam", "clipping=adaptive", "clipping.noise_multiplier=0.5", "clipping.noise_seed=3"],
+        [
+            "strategy=fedadam",
+            "clipping=adaptive",
+            "clipping.noise_multiplier=0.5",
+            "clipping.noise_seed=3",
+            "clipping.debug_noise_seed=true",
+        ],
         ["strategy=fedavg", "clipping=fixed"],
         ["strategy=krum", "clients_per_round=5", "strategy.num_malicious=0"],
         ["strategy=fedbuff"],
@@ -811,3 +955,249 @@ def test_every_strategys_checkpoint_is_plain_data_and_resumes(tmp_path, over):
     ckpt = checkpoint.load(tmp_path / "a")
     assert ckpt["format"] == checkpoint.FORMAT and ckpt["strategy_pickle"] is None
     assert run_tiny(tmp_path / "b", *over, "num_rounds=3", f"resume={tmp_path / 'a'}")["rounds_done"] == 3
+
+
+# ------------------------------------------------------------------ garbled replies (issue 28, items 3-4)
+def _garbled_cases():
+    """One reply per kind of damage (all from node 7, which holds partition 1): the kind, the reply's content,
+    and a phrase its failure names."""
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    f32 = np.float32
+    good = {"fc.weight": np.ones((2, 3), f32), "fc.bias": np.ones(2, f32)}
+    ok = {"num-examples": 10, "partition-id": 1, "train-loss": 0.5}
+
+    def with_array(**array):
+        arrays = {k: Array(v) for k, v in good.items()}
+        arrays["fc.bias"] = Array(**array)
+        return RecordDict({"arrays": ArrayRecord(arrays), "metrics": MetricRecord(ok)})
+
+    def with_metrics(**m):
+        return RecordDict({"arrays": record(good), "metrics": MetricRecord({**ok, **m})})
+
+    bias = Array(np.ones(2, f32))
+    rng = np.random.default_rng(0)
+    return {
+        "extra metric key": (with_metrics(**{"surprise": 1.0}), "extra metrics 'surprise'"),
+        "random bytes": (
+            with_array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=rng.bytes(40)),
+            "are not a numpy array",
+        ),
+        "truncated bytes": (
+            with_array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=bias.data[:-3]),
+            "hold 5 bytes of values",
+        ),
+        "bytes unlike metadata": (
+            with_array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=Array(np.ones(2)).data),
+            "are float64 (2,), but it declares float32 (2,)",
+        ),
+        "not numpy": (
+            with_array(dtype="float32", shape=(2,), stype="torch.Tensor", data=bias.data),
+            "'torch.Tensor' array, not a numpy array",
+        ),
+        "absurd num-examples": (with_metrics(**{"num-examples": 1e308}), "num-examples 1e+308"),
+        "fractional num-examples": (with_metrics(**{"num-examples": 2.5}), "num-examples 2.5"),
+        "unknown partition": (
+            with_metrics(**{"partition-id": 999}),
+            "partition-id 999, but the node holds partition 1",
+        ),
+        "fractional partition": (with_metrics(**{"partition-id": 2.5}), "partition-id 2.5 is not a whole"),
+        "huge partition": (with_metrics(**{"partition-id": 1e300}), "partition-id 1e+300 is not a whole"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_garbled_cases()))
+def test_a_garbled_reply_is_dropped_naming_node_and_reason_and_the_round_aggregates(kind):
+    """Each kind of damage in one reply among good ones: that reply is a ``malformed`` failure naming node 7
+    and the reason; FedAvg aggregates the rest (before screening, these replies crashed it or turned the
+    model to zeros)."""
+    from flwr.app import MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    from fedsim.grid_utils import screen_replies
+    from fedsim.strategies.fedavg import FedAvg
+
+    content, phrase = _garbled_cases()[kind]
+    good = {"fc.weight": np.ones((2, 3), np.float32), "fc.bias": np.ones(2, np.float32)}
+    replies = [_reply(content, node=7)]
+    for node, pid in ((8, 2), (9, 3)):
+        m = MetricRecord({"num-examples": 10, "partition-id": pid, "train-loss": 0.5})
+        replies.append(_reply(RecordDict({"arrays": record(good), "metrics": m}), node=node))
+    valid, failures = screen_replies(replies, record(good), {7: 1, 8: 2, 9: 3})
+    assert [r.metadata.src_node_id for r in valid] == [8, 9]
+    assert len(failures) == 1 and failures[0][0] == "malformed"
+    assert "node 7" in failures[0][1] and phrase in failures[0][1], failures[0][1]
+    arrays, _ = FedAvg().aggregate_train(1, valid)
+    assert np.allclose(arrays["fc.bias"].numpy(), 1.0)
+
+
+def test_duplicate_partitions_unknown_nodes_and_all_zero_examples_are_dropped():
+    from flwr.app import MetricRecord, RecordDict
+    from strategy_helpers import record
+
+    from fedsim.grid_utils import screen_replies
+
+    good = record({"w": np.ones(2, np.float32)})
+
+    def rep(node, pid, n=10):
+        m = MetricRecord({"num-examples": n, "partition-id": pid})
+        return _reply(RecordDict({"arrays": good, "metrics": m}), node=node)
+
+    valid, failures = screen_replies([rep(7, 1), rep(8, 1)], good)  # no discovery map: two claim partition 1
+    assert len(valid) == 1 and "partition-id 1 is node 7's reply's too" in failures[0][1]
+    valid, failures = screen_replies([rep(7, 1), rep(5, 4)], good, {7: 1, 8: 2})
+    assert len(valid) == 1 and "node 5, which is not one of the run's clients" in failures[0][1]
+    valid, failures = screen_replies([rep(7, 1, 0), rep(8, 2, 0)], good, {7: 1, 8: 2})
+    assert valid == [] and len(failures) == 2 and "num-examples is 0 in every reply" in failures[0][1]
+    valid, failures = screen_replies([rep(7, 1, 0), rep(8, 2, 5)], good, {7: 1, 8: 2})
+    assert len(valid) == 2 and failures == []  # one empty client among others weighs 0, as FedAvg says
+
+
+@pytest.mark.slow
+def test_a_run_with_a_garbled_reply_every_round_goes_on_and_counts_it(tmp_path, monkeypatch):
+    """In the loop: one reply per round gets an extra metric key and bytes unlike its metadata; the round
+    aggregates the others and metrics.jsonl counts the failure."""
+    from flwr.app import MetricRecord
+
+    import fedsim.server as server
+
+    original = server.screen_replies
+
+    def garble(replies, *rest):
+        replies = list(replies)
+        first = replies[0].content
+        first["metrics"] = MetricRecord({**dict(first["metrics"].items()), "surprise": 1.0})
+        return original(replies, *rest)
+
+    monkeypatch.setattr(server, "screen_replies", garble)
+    summary = run_tiny(tmp_path, "num_rounds=2")
+    recs = read_metrics(tmp_path)[1:]
+    assert summary["status"] == "completed"
+    assert [r["failures"] for r in recs] == [1, 1] and [r["num_clients"] for r in recs] == [2, 2]
+    assert all(r["failure_kinds"] == {"malformed": 1} for r in recs)
+
+
+# --------------------------------------------------------------------- damaged data files (issue 28, item 7)
+def _npz_files(folder: Path) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    x = rng.random((60, 4), dtype=np.float32)
+    np.savez(folder / "good.npz", x=x, y=np.arange(60) % 3)
+    np.savez(folder / "huge_label.npz", x=x, y=np.r_[np.arange(59) % 3, 10**6])
+    data = (folder / "good.npz").read_bytes()
+    (folder / "empty.npz").write_bytes(b"")
+    (folder / "truncated.npz").write_bytes(data[: len(data) // 2])
+    (folder / "random.npz").write_bytes(rng.bytes(3000))
+    return {p.stem: p for p in folder.iterdir()}
+
+
+def test_a_damaged_or_absurd_npz_is_one_line_naming_it(tmp_path):
+    from fedsim.data.base import MAX_CLASSES, Dataset
+    from fedsim.data.npz import load_npz
+
+    files = _npz_files(tmp_path)
+    for name in ("empty", "truncated", "random"):
+        with pytest.raises(ConfigError, match=rf"^path='.*{name}\.npz' .*damaged or not an \.npz file") as e:
+            load_npz(0, str(files[name]))
+        assert "allow_pickle" not in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^num_classes=None .*4 distinct labels but label 1000000"):
+        load_npz(0, str(files["huge_label"]))
+    assert load_npz(0, str(files["good"])).num_classes == 3
+    y = np.zeros(4, np.int64)
+    with pytest.raises(ConfigError, match=rf"1 to {MAX_CLASSES} classes"):
+        Dataset("d", np.zeros((4, 2), np.float32), y, np.zeros((4, 2), np.float32), y, 10**6, (2,))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["empty", "truncated", "random", "huge_label"])
+def test_a_damaged_data_file_on_the_command_line_is_one_line_and_no_folder(tmp_path, name):
+    files = _npz_files(tmp_path / "data")
+    res = fedsim_cli(*TINY, "dataset=npz", f"dataset.path={files[name]}", "hydra.run.dir=run", cwd=tmp_path)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("fedsim:")]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr[-2000:]
+    assert name in lines[0] or "num_classes" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_picture_process_ends_when_the_run_is_killed(tmp_path):
+    """The worker that draws partitions.png and curves.png never outlives its run, even one killed with
+    SIGKILL (it once kept drawing at 20 GB after its run was gone)."""
+    code = (
+        "from fedsim.figures import FigureWorker; w = FigureWorker(); print(w.proc.pid, flush=True); input()"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    worker = int(parent.stdout.readline())
+    assert _running(worker)
+    parent.kill()
+    parent.wait()
+    end = time.monotonic() + 20
+    while _running(worker) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not _running(worker)
+
+
+def test_a_long_title_fits_the_curves_picture(tmp_path):
+    """curves.png's title (the run's choices) is wrapped inside the figure, not cut at both edges."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedsim.figures import plot_curves
+
+    title = " ".join(f"group{i}=option_with_a_long_name_{i}" for i in range(12))
+    records = [
+        {"round": r, "sim_time": float(r), "eval_loss": 1.0 / (r + 1), "eval_accuracy": r / 10}
+        for r in range(4)
+    ]
+    captured = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, *args, **kwargs):
+        real_savefig(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        captured["box"] = fig._suptitle.get_window_extent(renderer)
+        captured["width"] = fig.bbox.width
+
+    plt.Figure.savefig = savefig
+    try:
+        plot_curves(records, tmp_path / "curves.png", title)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert captured["box"].x0 >= 0 and captured["box"].x1 <= captured["width"]
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
+# ------------------------------------------------------------------------ the small ones (issue 28, item 8)
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0, 1.5, 2.5])
+def test_a_signal_while_the_command_starts_is_a_clean_exit_143(tmp_path, delay):
+    """SIGTERM while fedsim imports, checks the config or builds the run (from 0.3 s: the interpreter's own
+    start-up comes first): exit 143, one line, no traceback,
+    and no folder holding only Hydra's files (a run folder with outputs has its summary.json)."""
+    proc = fedsim_cli(*TINY, "num_rounds=50", "hydra.run.dir=run", cwd=tmp_path, background=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    run = tmp_path / "run"
+    assert not run.exists() or (run / "summary.json").exists(), sorted(p.name for p in run.iterdir())
+
+
+def test_zero_attackers_warn_and_absurd_thread_counts_are_refused(caplog):
+    from fedsim.attacks import SignFlip
+    from fedsim.groups import Placement
+    from fedsim.strategies.fedavg import FedAvg
+
+    with caplog.at_level("WARNING", logger="fedsim"):
+        SignFlip(strategy=FedAvg(), fraction=0.01, num_clients=10, clients_per_round=5, seed=0)
+    assert "is 0 attackers; the run is not attacked" in caplog.text
+    with pytest.raises(
+        ConfigError, match=r"^threads_per_client=1000 is not allowed: expected an integer in \[1, 256\]"
+    ):
+        Placement(threads_per_client=1000)
+    assert Placement(threads_per_client=8).threads_per_client == 8

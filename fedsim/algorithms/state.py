@@ -116,32 +116,85 @@ STATE_DIR = "client_state"  # in the run folder: the clients' persistent state (
 CHECKPOINT_DIR = "checkpoint_state"  # in the run folder: the client state of the checkpoint, by round
 
 
-def checkpoint(run_dir: str | Path, round_: int) -> None:
+def checkpoint(run_dir: str | Path, round_: int) -> dict | None:
     """Before checkpoint.pt of round ``round_`` is written: keep the clients' state of that round beside it.
 
-    Older snapshots are removed after this one is complete; a checkpoint reads the snapshot of its own round.
+    Writes ``checkpoint_state/round-<round_>`` (complete once this returns: built under a temporary name and
+    renamed) and removes nothing: the snapshot of the checkpoint.pt still in place stays until the new
+    checkpoint.pt has replaced it (:func:`prune`), so a kill at any moment leaves a checkpoint.pt whose snapshot
+    exists. Returns what the checkpoint records of it (``{"round": round_, "files": [...]}``), or None when the
+    clients keep no state.
     """
     run_dir = Path(run_dir)
     if not (run_dir / STATE_DIR).is_dir():
-        return
+        return None
     dest = run_dir / CHECKPOINT_DIR / f"round-{round_}"
     snapshot(run_dir / STATE_DIR, dest, round_)
-    for old in (run_dir / CHECKPOINT_DIR).iterdir():
-        if old.name != dest.name and old.name.startswith("round-") and not old.name.endswith(".tmp"):
+    return {"round": int(round_), "files": sorted(os.listdir(dest))}
+
+
+def prune(run_dir: str | Path, round_: int) -> None:
+    """Once checkpoint.pt of round ``round_`` is in place: remove every other snapshot (and leftovers of an
+    interrupted one)."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    if not folder.is_dir():
+        return
+    for old in folder.iterdir():
+        if old.name != f"round-{round_}" and old.name.startswith("round-"):
             shutil.rmtree(old, ignore_errors=True)
 
 
-def resume(checkpoint_dir: str | Path, round_: int, run_dir: str | Path) -> None:
-    """Start ``run_dir``'s client state from the snapshot beside a checkpoint of round ``round_``."""
-    src = Path(checkpoint_dir) / CHECKPOINT_DIR / f"round-{round_}"
+class MissingState(ValueError):
+    """The clients' state a checkpoint needs is missing or does not match it (the message says which)."""
+
+
+def resume(
+    checkpoint_dir: str | Path,
+    round_: int,
+    run_dir: str | Path,
+    clients: dict | None = None,
+    recorded: bool | None = None,
+    stateful: bool = False,
+) -> None:
+    """Start ``run_dir``'s client state from the snapshot beside a checkpoint of round ``round_``.
+
+    ``clients`` is what the checkpoint recorded of its snapshot (``recorded``: the checkpoint has that field;
+    older ones do not; by default, whether ``clients`` is given). A checkpoint that needs a snapshot which is missing, or whose files differ from the
+    recorded ones, raises :class:`MissingState`: resuming would restart every client's state from zero.
+    Without a record (an older checkpoint), a missing snapshot is refused when the clients are ``stateful`` or
+    snapshots of other rounds lie beside it.
+    """
+    recorded = clients is not None if recorded is None else recorded
+    folder = Path(checkpoint_dir) / CHECKPOINT_DIR
+    src = folder / f"round-{round_}"
     dest = Path(run_dir) / STATE_DIR
+    if recorded and clients is None:  # the checkpointed run's clients kept no state
+        if src.resolve() != dest.resolve():
+            shutil.rmtree(dest, ignore_errors=True)
+        return
+    if not src.is_dir():
+        if recorded or stateful or folder.is_dir():
+            raise MissingState(
+                f"the clients' state of round {round_} ({CHECKPOINT_DIR}/round-{round_} beside it) is missing"
+            )
+        shutil.rmtree(dest, ignore_errors=True)
+        return
+    if recorded:
+        have, want = sorted(os.listdir(src)), sorted(clients["files"])
+        if have != want or int(clients["round"]) != int(round_):
+            lost = sorted(set(want) - set(have))
+            extra = sorted(set(have) - set(want))
+            what = (f"missing {', '.join(lost[:3])}" if lost else "") + (
+                f"{'; ' if lost else ''}unexpected {', '.join(extra[:3])}" if extra else ""
+            )
+            raise MissingState(
+                f"the clients' state of round {round_} ({CHECKPOINT_DIR}/round-{round_}) does not match the "
+                f"checkpoint ({what or 'another round'})"
+            )
     if src.resolve() == dest.resolve():
         return
-    if src.is_dir():
-        tmp = Path(run_dir) / (STATE_DIR + ".restoring")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    else:
-        shutil.rmtree(dest, ignore_errors=True)
+    tmp = Path(run_dir) / (STATE_DIR + ".restoring")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)

@@ -12,6 +12,10 @@ import numpy as np
 
 from fedsim.errors import ConfigError
 
+# The most classes a data set may ask for: the model's last layer has one output per class, so a damaged label
+# (10^6) would build a model of hundreds of megabytes before anything else could object.
+MAX_CLASSES = 100_000
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -35,6 +39,17 @@ class Dataset:
     targets: str = "classes"  # what y holds: "classes" (int64 ids) or "values" (float32, regression)
 
     def __post_init__(self) -> None:
+        if self.targets != "values" and (
+            isinstance(self.num_classes, bool)
+            or not isinstance(self.num_classes, (int, np.integer))
+            or not 1 <= self.num_classes <= MAX_CLASSES
+        ):
+            raise ConfigError(
+                "dataset",
+                self.name,
+                f"a data set of 1 to {MAX_CLASSES} classes (it declares {self.num_classes!r})",
+                "A label far above the others (a damaged file?) makes that many classes; check the labels.",
+            )
         for split in ("y_train", "y_test"):
             if self.targets == "values":
                 check_values(getattr(self, split), "dataset", self.name, f"its {split}")

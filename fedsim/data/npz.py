@@ -8,11 +8,14 @@ owner, for ``partitioner=natural``) and optionally ``test.npz`` (``x``, ``y``: t
 
 from __future__ import annotations
 
+import pickle
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-from fedsim.data.base import Dataset
+from fedsim.data.base import MAX_CLASSES, Dataset
 from fedsim.data.digits import stratified_split
 from fedsim.errors import ConfigError
 from fedsim.node_data import TRAIN_FILE, _read_npz
@@ -24,11 +27,27 @@ FORMAT = f"a folder holding {TRAIN_FILE} (arrays x, y, optionally groups) and op
 
 
 def _read(path: Path, key: str) -> tuple[np.ndarray, np.ndarray]:
-    """``x`` (float32) and ``y`` (int64) of one file, with node_data's checks, errors named by ``key``."""
+    """``x`` (float32) and ``y`` (int64) of one file, with node_data's checks, errors named by ``key``.
+
+    A file that is not a whole ``.npz`` (empty, truncated, random bytes) is one line saying so; numpy would
+    otherwise try to read it as a pickle and suggest ``allow_pickle``.
+    """
+    damaged = "The file is damaged or not an .npz file ({}); write it again with numpy.savez."
+    if not zipfile.is_zipfile(path):
+        size = path.stat().st_size
+        raise ConfigError(
+            key, str(path), FORMAT, damaged.format("empty" if not size else f"{size} bytes, no zip")
+        )
     try:
         return _read_npz(path)
     except ConfigError as e:
         raise ConfigError(key, str(path), e.allowed, e.hint) from None
+    except (zipfile.BadZipFile, EOFError, KeyError, RuntimeError, pickle.UnpicklingError, zlib.error) as e:
+        raise ConfigError(key, str(path), FORMAT, damaged.format(_first(e))) from None
+
+
+def _first(e: BaseException) -> str:
+    return ((str(e).strip().splitlines() or [type(e).__name__])[0])[:200]
 
 
 def _groups(path: Path, n: int) -> np.ndarray | None:
@@ -87,6 +106,15 @@ def load_npz(
         groups = None if groups is None else groups[train]
     top = int(max(y.max(initial=-1), y_test.max(initial=-1))) + 1
     if num_classes is None:
+        distinct = len(np.union1d(np.unique(y), np.unique(y_test)))
+        if top > max(1000, 10 * distinct):  # e.g. one damaged label of 10^6 among 10 classes
+            raise ConfigError(
+                "num_classes",
+                None,
+                f"an explicit number of classes: {path} holds {distinct} distinct labels but label {top - 1}",
+                f"Set dataset.num_classes (at most {MAX_CLASSES}) if that many classes is meant; else the file's "
+                "labels are damaged.",
+            )
         num_classes = top
     elif isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < top:
         raise ConfigError("num_classes", num_classes, f"null or an integer >= {top} (the largest label + 1)")
