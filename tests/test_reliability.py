@@ -1178,8 +1178,9 @@ def test_a_long_title_fits_the_curves_picture(tmp_path):
 def test_a_signal_while_the_command_starts_is_a_clean_exit_143(tmp_path, delay):
     """SIGTERM while fedsim imports, checks the config or builds the run (from 0.3 s: the interpreter's own
     start-up comes first): exit 143, one line, no traceback,
-    and no folder holding only Hydra's files (a run folder with outputs has its summary.json)."""
-    proc = fedsim_cli(*TINY, "num_rounds=50", "hydra.run.dir=run", cwd=tmp_path, background=True)
+    and no folder holding only Hydra's files (a run folder with outputs has its summary.json). 5000 rounds: the
+    run is never over before the signal, however fast the machine."""
+    proc = fedsim_cli(*TINY, "num_rounds=5000", "hydra.run.dir=run", cwd=tmp_path, background=True)
     time.sleep(delay)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
