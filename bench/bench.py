@@ -190,20 +190,34 @@ def plain_fedavg(
                 acc_sum[k] += v * len(y)
             total += len(y)
         glob = {k: v / total for k, v in acc_sum.items()}
-        model.load_state_dict(glob)
-        with torch.no_grad():
-            acc = sum(
-                int((model(xt[s : s + 1024]).argmax(1) == yt[s : s + 1024]).sum())
-                for s in range(0, len(yt), 1024)
-            ) / len(yt)
-        if device != "cpu":
-            torch.cuda.synchronize()
+        acc = _evaluate(model, glob, xt, yt, device)
         times.append(clock() - t0)
+    return _result(times, acc, glob, start)
+
+
+def _evaluate(model, glob: dict, xt, yt, device: str) -> float:
+    """Load the aggregate ``glob`` into ``model``; its test accuracy (the round's end, GPU work included)."""
+    import torch
+
+    model.load_state_dict(glob)
+    with torch.no_grad():
+        acc = sum(
+            int((model(xt[s : s + 1024]).argmax(1) == yt[s : s + 1024]).sum())
+            for s in range(0, len(yt), 1024)
+        ) / len(yt)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return acc
+
+
+def _result(times: list[float], acc: float, glob: dict, start: float) -> dict:
+    """A loop's figures: round times, final accuracy, the final model's norm, and the rounds' wall-clock window
+    (GPU samples are matched to it)."""
     return {
         "rounds": times,
         "accuracy": acc,
         "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
-        "window": [start, time.time()],  # the rounds, wall clock (GPU samples are matched to it)
+        "window": [start, time.time()],
     }
 
 
@@ -342,21 +356,9 @@ def batched_fedavg(
                         params[n][sl].sub_(g, alpha=lr)
         w64 = torch.tensor(sizes, dtype=torch.float64, device=device) / sum(sizes)
         glob = {n: torch.tensordot(w64, params[n].double(), dims=1).to(params[n].dtype) for n in names}
-        model.load_state_dict(glob)
-        with torch.no_grad():
-            acc = sum(
-                int((model(xt[s : s + 1024]).argmax(1) == yt[s : s + 1024]).sum())
-                for s in range(0, len(yt), 1024)
-            ) / len(yt)
-        if device != "cpu":
-            torch.cuda.synchronize()
+        acc = _evaluate(model, glob, xt, yt, device)
         times.append(clock() - t0)
-    return {
-        "rounds": times,
-        "accuracy": acc,
-        "model_norm": float(sum(float((v.double() ** 2).sum()) for v in glob.values()) ** 0.5),
-        "window": [start, time.time()],
-    }
+    return _result(times, acc, glob, start)
 
 
 class _StepGraph:

@@ -229,6 +229,28 @@ def child_placement(device: str, small: bool) -> dict:
     }
 
 
+def _loop_args(over: list[str], device: str):
+    """The arguments of bench.py's plain and batched torch loops for the fedsim config ``over``: the same data,
+    partitions, model and local training as the fedsim run they are measured against."""
+    from fedsim import build
+    from fedsim.config import compose
+
+    cfg = compose(*over)
+    spec = json.loads(build.client_spec(cfg, device=device))
+    local = build.local_training(spec)
+    ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
+    kwargs = dict(
+        seed=int(cfg.seed),
+        per_round=int(cfg.clients_per_round),
+        rounds=int(cfg.num_rounds),
+        epochs=local.local_epochs,
+        batch_size=local.batch_size,
+        lr=local.lr,
+        device=device,
+    )
+    return (ds, train, build.model_factory(spec)), kwargs
+
+
 def child_time(variant: str, device: str, small: bool, workload: str = "small") -> dict:
     """One timing run of the CIFAR-size CNN: a fedsim engine, plain torch, or the batched limits
     (``limit-eager``: the cohort's steps as one ``vmap(functional_call)`` loop, data on the device;
@@ -242,47 +264,12 @@ def child_time(variant: str, device: str, small: bool, workload: str = "small") 
         f"placement.server_device={device}",
     ]
     if variant.startswith("limit"):
-        from fedsim import build
-        from fedsim.config import compose
-
-        cfg = compose(*over)
-        spec = json.loads(build.client_spec(cfg, device=device))
-        local = build.local_training(spec)
-        ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
-        return bench.batched_fedavg(
-            ds,
-            train,
-            build.model_factory(spec),
-            seed=int(cfg.seed),
-            per_round=int(cfg.clients_per_round),
-            rounds=int(cfg.num_rounds),
-            epochs=local.local_epochs,
-            batch_size=local.batch_size,
-            lr=local.lr,
-            device=device,
-            forward_kind="vmap",
-            graph=variant == "limit-graph" and device != "cpu",
-        )
+        graph = variant == "limit-graph" and device != "cpu"
+        args, kwargs = _loop_args(over, device)
+        return bench.batched_fedavg(*args, **kwargs, forward_kind="vmap", graph=graph)
     if variant == "torch":
-        from fedsim import build
-        from fedsim.config import compose
-
-        cfg = compose(*over)
-        spec = json.loads(build.client_spec(cfg, device=device))
-        local = build.local_training(spec)
-        ds, (train, _) = build.build_dataset(spec), build.build_partitions(spec)
-        return bench.plain_fedavg(
-            ds,
-            train,
-            build.model_factory(spec),
-            seed=int(cfg.seed),
-            per_round=int(cfg.clients_per_round),
-            rounds=int(cfg.num_rounds),
-            epochs=local.local_epochs,
-            batch_size=local.batch_size,
-            lr=local.lr,
-            device=device,
-        )
+        args, kwargs = _loop_args(over, device)
+        return bench.plain_fedavg(*args, **kwargs)
     from fedsim.engines import vectorized
 
     vectorized.CUDA_GRAPHS = vectorized.CUDA_GRAPHS_DENSE = variant == "vectorized-graph"
