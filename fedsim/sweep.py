@@ -47,7 +47,11 @@ def collect(sweep_dir: Path, jobs: set[int] | None = None) -> list[dict]:
     for job in sorted(folders, key=lambda p: int(p.name)):
         over_file = job / ".hydra" / "overrides.yaml"
         given = [str(o) for o in OmegaConf.load(over_file)] if over_file.exists() else []
-        row: dict[str, Any] = {"job": int(job.name), "overrides": _shown(given), PARAMS: _params(given)}
+        row: dict[str, Any] = {
+            "job": int(job.name),
+            "overrides": " ".join(map(_redacted, given)),
+            PARAMS: _params(given),
+        }
         summ = job / "summary.json"
         if summ.exists():
             s = json.loads(summ.read_text())
@@ -71,25 +75,17 @@ PARAMS = "_params"  # a row's overrides as {key: value} (not a column)
 SECRET_KEYS = ("noise_seed",)  # override keys whose values the summary never shows (a DP run's noise seed)
 
 
+def _redacted(override: str) -> str:
+    """An override as given, with a secret's value as ``<secret>``."""
+    key, sep, _ = override.partition("=")
+    return f"{key}=<secret>" if sep and key.lstrip("+~").rsplit(".", 1)[-1] in SECRET_KEYS else override
+
+
 def _params(overrides: list[str]) -> dict[str, str]:
     """``["strategy=fedprox", "client.lr=0.1"]`` as ``{"strategy": "fedprox", "client.lr": "0.1"}`` (a secret's
     value as ``<secret>``)."""
-    out = {}
-    for o in overrides:
-        key, sep, value = o.partition("=")
-        if sep:
-            key = key.lstrip("+~")
-            out[key] = "<secret>" if key.rsplit(".", 1)[-1] in SECRET_KEYS else value
-    return out
-
-
-def _shown(overrides: list[str]) -> str:
-    """The overrides column: the job's overrides, a secret's value as ``<secret>``."""
-    return " ".join(f"{k}={v}" if "=" in o else o for o, (k, v) in zip(overrides, _pairs(overrides)))
-
-
-def _pairs(overrides: list[str]) -> list[tuple[str, str]]:
-    return [next(iter(_params([o]).items()), (o, "")) for o in overrides]
+    pairs = (_redacted(o).partition("=") for o in overrides)
+    return {key.lstrip("+~"): value for key, sep, value in pairs if sep}
 
 
 def swept_keys(rows: list[dict]) -> list[str]:
