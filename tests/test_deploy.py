@@ -1346,6 +1346,82 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     _check_outsiders_refused(fed, out)
 
 
+GARBLER = '''\
+"""fedsim's warm SuperExec whose ClientApps garble every train reply on its way to the SuperLink."""
+import sys
+
+import flwr.supernode.runtime.run_clientapp as rc
+
+honest_push = rc.push_message
+
+
+def push_message(client, message, context):
+    if message.metadata.message_type == "train" and message.has_content():
+        message.content["metrics"]["surprise"] = 1.0  # a key fedsim's ClientApp never sends
+        bias = [k for k in message.content["arrays"].keys() if k.endswith("bias")][0]
+        message.content["arrays"][bias].data = message.content["arrays"][bias].data[:-3]  # truncated bytes
+    return honest_push(client, message, context)
+
+
+rc.push_message = push_message
+from fedsim.deploy.warm import main
+
+main(sys.argv[1:])
+'''
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_a_garbled_reply_through_the_superlink_is_dropped_with_one_warning_and_the_run_goes_on(fed):
+    """A run whose binding gives partition 2 to a fourth SuperNode (its own key, node 2's data) whose ClientApps
+    garble every train reply on its way to the SuperLink (an extra metric, truncated bytes): each round drops
+    that reply as ``malformed`` with one warning naming the node, aggregates the other two, and completes."""
+    from fedsim.deploy.launch import warm_command
+    from fedsim.deploy.nodes import binding_yaml
+
+    key = make_node_key(fed.root / "garbler" / "key")
+    garbler = fed.register(None, Path(f"{key}.pub"), name="garbler")  # bound by this run's file only
+    binding = fed.root / "garbler" / "nodes.yaml"
+    binding.write_text(binding_yaml({0: fed.bound_keys[0], 1: fed.bound_keys[1], 2: [f"{key}.pub"]}))
+    script = fed.root / "garbler" / "garbling_warm.py"
+    script.write_text(GARBLER)
+    port, secret = free_port("127.0.0.1"), fed._secret(fed.workdir / "garbler.secret")
+    cmd = supernode_command(
+        fed.address, port, 2, N, fed.sec, key=key, data_dir=str(fed.root / "node2-data"), warm_secret=secret
+    )
+    node = fed.spawn("garbler", cmd)
+    fed.spawn("garbler-warm", [sys.executable, str(script), *warm_command(port, secret, node.pid)[3:]])
+    try:
+        try:
+            _wait_for(lambda: garbler in {int(n["node-id"]) for n in _online(fed)}, 120, "the garbling node")
+        except AssertionError as e:
+            raise AssertionError(
+                f"{e}\n{fed.log_tail('garbler', 30)}\n{fed.log_tail('garbler-warm', 30)}"
+            ) from None
+        overrides = [*TINY, "num_rounds=2", "round_timeout=120"]
+        out = fed.root / "garbled"
+        run_id = fed.submit(
+            APP, {"overrides": shlex.join(overrides), "out-dir": str(out), "nodes": str(binding)}
+        )
+        _finish(fed, run_id, out)
+    finally:
+        for name in ("garbler-warm", "garbler"):
+            fed.kill(name)
+    records = read_metrics(out)[1:]
+    assert [(r["num_clients"], r["failures"], r["failure_kinds"]) for r in records] == [
+        (2, 1, {"malformed": 1})
+    ] * 2
+    log = fed.run_log(run_id)
+    dropped = [ln for ln in log.splitlines() if "failed (malformed)" in ln]
+    assert len(dropped) == 2, log[-3000:]
+    assert all(f"reply from node {garbler}: the bytes of" in ln and "bias" in ln for ln in dropped), dropped
+    assert "Traceback" not in log
+    train = _replies(
+        out, "train"
+    )  # the garbled replies reached the server (the log is written before screening)
+    assert sorted(r["node_id"] for r in train) == sorted([fed.node_ids[0], fed.node_ids[1], garbler] * 2)
+
+
 @pytest.mark.slow  # starts Flower's processes
 def test_local_submits_the_fedsim_checkout_wherever_it_is_started(tmp_path, monkeypatch):
     from fedsim.deploy.__main__ import app_folder
