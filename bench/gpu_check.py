@@ -363,6 +363,19 @@ CHECKS = [  # (name, child args, section)
 ]
 
 
+def _in_process(args: list[str]) -> dict:
+    """A dry-run check in this process (small sizes on the CPU): its result, or ``{"error": ...}``."""
+    import resource
+
+    t0 = time.perf_counter()
+    try:
+        res = json.loads(json.dumps(child(args, "cpu", True)))  # what a child would have printed
+    except Exception as e:  # noqa: BLE001  (reported like a failed child)
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
+    return {**res, "wall": time.perf_counter() - t0, "peak_mb": peak}
+
+
 def child(args: list[str], device: str, small: bool) -> dict:
     kind = args[0]
     if kind == "agree":
@@ -409,7 +422,8 @@ def main() -> None:
             continue
         argv = [__file__, "--child", *child_args, "--device", device, *(["--small"] if args.dry_run else [])]
         with GpuSampler() as gpu:
-            res = bench.run_child(argv, timeout=min(150, left))
+            # the dry run checks the script's paths, not timings: one process, not a fresh one per check
+            res = _in_process(child_args) if args.dry_run else bench.run_child(argv, timeout=min(150, left))
         res.update(gpu.figures(res.get("window")))
         results[name] = res
         print(f"  {section}/{name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)

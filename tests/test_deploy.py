@@ -1314,6 +1314,67 @@ def test_deployed_run_without_a_binding_survives_a_duplicate_claim(fed):
     assert refused == set(fed.outsiders.values())
 
 
+# Interoperability: fedsim's ServerApp with a ClientApp written like Flower's quickstart (not fedsim's), on the
+# same federation (tests/test_interop.py runs it in Flower's simulation).
+
+STOCK_CLIENT = """
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from sklearn.datasets import load_digits
+from torch import nn
+
+app = ClientApp()
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    d = load_digits()
+    pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    x, y = torch.tensor(d.images[pid::n] / 16.0, dtype=torch.float32), torch.tensor(d.target[pid::n])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(5):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+    metrics = MetricRecord({"train_loss": loss.item(), "num-examples": len(y)})
+    return Message(RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics}), reply_to=msg)
+"""
+
+
+def _stock_app_folder(folder: Path) -> Path:
+    """A Flower App: fedsim's ServerApp and the stock ClientApp above."""
+    (folder / "stockapp").mkdir(parents=True)
+    (folder / "stockapp" / "__init__.py").write_text("")
+    (folder / "stockapp" / "client.py").write_text(STOCK_CLIENT)
+    (folder / "pyproject.toml").write_text(
+        '[project]\nname = "stockapp"\nversion = "1.0.0"\ndescription = "x"\nlicense = "Apache-2.0"\n'
+        'dependencies = ["flwr"]\n\n[tool.flwr.app]\npublisher = "interop"\n\n'
+        '[tool.flwr.app.components]\nserverapp = "fedsim.server_app:app"\nclientapp = "stockapp.client:app"\n\n'
+        '[tool.flwr.app.config]\noverrides = ""\nout-dir = ""\nnodes = ""\n'
+    )
+    return folder
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
+def test_stock_clientapp_under_fedsims_serverapp_on_a_superlink(fed, tmp_path):
+    out = tmp_path / "run"
+    overrides = (
+        "num_clients=3 clients_per_round=3 num_rounds=2 quiet=true checkpoint_every=0 round_timeout=120"
+    )
+    run_id = fed.submit(_stock_app_folder(tmp_path / "app"), {"overrides": overrides, "out-dir": str(out)})
+    status = fed.wait_run(run_id, 400, poll=1.0, done=(out / "summary.json").exists)
+    assert status["status"] == "finished:completed", fed.run_log(run_id)[-3000:]
+    rounds = [r for r in read_metrics(out) if r["round"] > 0]
+    assert [r["num_clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
+    assert "run a ClientApp that is not fedsim's, identified by node id" in fed.run_log(run_id)
+
+
 @needs_flower
 @pytest.mark.slow  # starts Flower's processes
 def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
@@ -1323,7 +1384,7 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     2: its own folder). Round 3: node 2 never replies; the round waits ``round_timeout`` seconds, records a
     timeout and aggregates the other two; the run completes.
     """
-    overrides = [*TINY, "num_rounds=3", "round_timeout=45"]
+    overrides = [*TINY, "num_rounds=3", "round_timeout=25"]
     run_id, out = _start_run(fed, "sync", overrides)
     _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3, 300, "round 2")
     fed.kill("supernode2")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -371,70 +370,6 @@ def test_stock_clientapp_under_fedsims_serverapp_in_flowers_simulation(tmp_path,
     replies = [json.loads(ln) for ln in (tmp_path / "replies.jsonl").read_text().splitlines()]
     assert {r["type"] for r in replies} >= {"query", "train"}  # asked, then trained without a partition-id
     assert all(r["partition_id"] is None for r in replies if r["type"] == "train")
-
-
-# ------------------------------------------------------------------------------------------------------------
-# The same stock ClientApp on a real SuperLink with SuperNodes (tests/test_deploy.py's hardened federation).
-from test_deploy import fed as _deploy_federation  # noqa: E402, F401  (its module-scoped fixture "fed")
-from test_deploy import needs_flower  # noqa: E402
-
-STOCK_CLIENT = """
-import numpy as np
-import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
-from sklearn.datasets import load_digits
-from torch import nn
-
-app = ClientApp()
-
-
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    net = nn.Sequential(nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    d = load_digits()
-    pid, n = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    x, y = torch.tensor(d.images[pid::n] / 16.0, dtype=torch.float32), torch.tensor(d.target[pid::n])
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    for _ in range(5):
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(net(x), y)
-        loss.backward()
-        opt.step()
-    metrics = MetricRecord({"train_loss": loss.item(), "num-examples": len(y)})
-    return Message(RecordDict({"arrays": ArrayRecord(net.state_dict()), "metrics": metrics}), reply_to=msg)
-"""
-
-
-def _stock_app_folder(folder: Path) -> Path:
-    """A Flower App: fedsim's ServerApp and the stock ClientApp above."""
-    (folder / "stockapp").mkdir(parents=True)
-    (folder / "stockapp" / "__init__.py").write_text("")
-    (folder / "stockapp" / "client.py").write_text(STOCK_CLIENT)
-    (folder / "pyproject.toml").write_text(
-        '[project]\nname = "stockapp"\nversion = "1.0.0"\ndescription = "x"\nlicense = "Apache-2.0"\n'
-        'dependencies = ["flwr"]\n\n[tool.flwr.app]\npublisher = "interop"\n\n'
-        '[tool.flwr.app.components]\nserverapp = "fedsim.server_app:app"\nclientapp = "stockapp.client:app"\n\n'
-        '[tool.flwr.app.config]\noverrides = ""\nout-dir = ""\nnodes = ""\n'
-    )
-    return folder
-
-
-@needs_flower
-@pytest.mark.slow  # starts Flower's processes
-def test_stock_clientapp_under_fedsims_serverapp_on_a_superlink(_deploy_federation, tmp_path):  # noqa: F811
-    fed = _deploy_federation
-    out = tmp_path / "run"
-    overrides = (
-        "num_clients=3 clients_per_round=3 num_rounds=2 quiet=true checkpoint_every=0 round_timeout=120"
-    )
-    run_id = fed.submit(_stock_app_folder(tmp_path / "app"), {"overrides": overrides, "out-dir": str(out)})
-    status = fed.wait_run(run_id, 400, poll=1.0, done=(out / "summary.json").exists)
-    assert status["status"] == "finished:completed", fed.run_log(run_id)[-3000:]
-    rounds = [r for r in read_metrics(out) if r["round"] > 0]
-    assert [r["num_clients"] for r in rounds] == [3, 3] and all(r["failures"] == 0 for r in rounds)
-    assert "run a ClientApp that is not fedsim's, identified by node id" in fed.run_log(run_id)
 
 
 def test_fedsim_clientapp_names_a_bad_run_config_override_in_one_line():
