@@ -8,6 +8,8 @@ The oracles draw the noise by hand from the documented derivation (numpy's gener
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import dp_accounting
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from strategy_helpers import (
     server_identity,
 )
 
-from fedsim import keys
+from fedsim import keys, schema
 from fedsim.errors import RunError
 from fedsim.strategies.clip_wrapper import COHORT, COUNT_NOISE, SECRET_TAG, UPDATE_NOISE
 from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
@@ -193,3 +195,12 @@ def test_a_run_whose_every_reply_fails_is_noised_with_dp_and_keeps_its_model_wit
             assert recs[-1]["epsilon"] > recs[1]["epsilon"] > 0
         else:  # skipped: the model is kept
             assert all(r.get("skipped") for r in recs[1:]) and len(set(losses)) == 1
+
+
+def test_the_readme_names_every_field_a_dp_run_writes_outside_the_guarantee():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("- **Not covered**") : readme.index("Covered, as post-processing")]
+    missing = [f for f in schema.DP_NOT_COVERED if f"`{f}`" not in section]
+    assert not missing, missing
+    covered = readme[readme.index("Covered, as post-processing") :][:400]
+    assert all(f"`{f}`" in covered for f in schema.DP_COVERED if f != "round")

@@ -19,7 +19,7 @@ from dp_accounting.rdp import RdpAccountant
 from flwr.app import ArrayRecord
 from strategy_helpers import flower_kwargs
 
-from fedsim import keys
+from fedsim import keys, schema
 from fedsim.strategies.clip_wrapper import SECRET_TAG, UPDATE_NOISE
 from fedsim.strategies.clipping import FixedClipping
 from fedsim.strategies.fedavg import FedAvg
@@ -128,6 +128,9 @@ def test_poisson_cohorts_vary_and_every_round_is_released_with_noise_and_charged
         direct_epsilon("poisson", "rdp", n, m, 1.0, 1e-5, rounds)
     )
     assert summary["rounds_accounted"] == rounds and summary["status"] == "completed"
+    # every field written is either a private release or on the README's "not covered" list
+    written = set().union(*[set(r) for r in records])
+    assert written <= set(schema.DP_COVERED) | set(schema.DP_NOT_COVERED), written
 
 
 @pytest.mark.slow
