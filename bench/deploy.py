@@ -24,6 +24,18 @@ later rounds, then what a fresh ``flwr-clientapp`` process pays before it trains
 
     python bench/deploy.py                      # 4 rounds, 1 repeat: about 5 minutes on 2 cores
     python bench/deploy.py --rounds 6 --repeat 2 --nodes warm
+
+``--wire`` measures instead what a deployed round costs on the wire against the ``bytes_up``/``bytes_down`` the
+run records (``fedsim.comm``: Flower's RecordDict protobuf sizes), for the default MLP and for top-k at 1 %. One
+federation of ``warm-poll`` nodes behind fedsim's Python front, which counts every forwarded request's bytes
+(``--count-file``: request line, headers and body as HTTP/1.1 carries them, TLS off). Replies travel as
+``push-messages`` and ``push-object`` requests, instructions as ``pull-messages`` (the answers that hold a
+message), ``pull-object`` and ``confirm-message-received``; each is counted both ways (a pull's request goes
+up, its answer down), idle polls, heartbeats, ``get-run`` and ``get-fab`` apart (``wire_totals``). Each case
+runs twice, ``WIRE_ROUNDS`` rounds, and the differences are divided, so what a run pays once (discovery, the
+App bundle) drops out.
+
+    python bench/deploy.py --wire               # about 3 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -121,6 +133,110 @@ def run_inprocess(out: Path, rounds: int) -> list[float]:
     return gaps([r["wall_time"] for r in recs if "eval_accuracy" in r])
 
 
+WIRE_ROUNDS = (2, 5)  # each --wire case runs this many rounds, twice; per-round figures are the differences
+WIRE_CASES = {"MLP, dense": [], "MLP, top-k 1 %": ["compression=topk", "compression.ratio=0.01"]}
+# the Fleet routes that move a reply to the SuperLink, and those that move an instruction to a node
+REPLY_ROUTES = {"push-messages", "push-object"}
+INSTRUCTION_ROUTES = {"pull-messages", "pull-object", "confirm-message-received"}
+
+
+def wire_totals(lines: list[dict]) -> dict[str, int]:
+    """Per kind of traffic in a front's count lines: ``reply`` (a node pushing its reply: the request and
+    answer bytes of ``push-messages`` and ``push-object``), ``instruction`` (a node pulling a message: the
+    ``pull-messages`` exchanges that return one, ``pull-object``, ``confirm-message-received``) and ``other``
+    (idle polls, heartbeats, ``get-run``, ``get-fab``, ...): ``<kind>`` the bytes both ways, ``<kind>_body``
+    the protobuf bodies that carry the message (requests for a reply, answers for an instruction),
+    ``<kind>_requests`` the requests; and ``up``/``down``: every byte from the nodes and to them."""
+    out: dict[str, int] = {"up": 0, "down": 0}
+    for x in lines:
+        route = x["route"].rsplit("/", 1)[-1]
+        if route in REPLY_ROUTES:
+            kind, body = "reply", x["up_body"]
+        elif route in INSTRUCTION_ROUTES and (route != "pull-messages" or x["down_body"]):
+            kind, body = "instruction", x["down_body"]  # (an empty pull-messages answer is an idle poll)
+        else:
+            kind, body = "other", 0
+        for key, value in ((kind, x["up"] + x["down"]), (f"{kind}_body", body), (f"{kind}_requests", 1)):
+            out[key] = out.get(key, 0) + value
+        out["up"] += x["up"]
+        out["down"] += x["down"]
+    return out
+
+
+def run_wire(tmp: Path, timeout: float) -> None:
+    """``--wire``: see the module docstring."""
+    from fedsim.deploy.launch import Federation, Security
+
+    counts = tmp / "front-counts.jsonl"
+
+    class Counted(Federation):
+        def front_command(self, tls_name: str = "") -> list[str]:
+            return [*super().front_command(tls_name), "--count-file", str(counts)]
+
+    before = bench.machine_line()
+    rows = []
+    with Counted(
+        tmp / "work-wire", Security(tls=False, auth=False), front="python", echo=lambda _: None
+    ) as fed:
+        fed.start_superlink()
+        for i in range(NODES):
+            fed.start_supernode(i, NODES, cache_dir=str(tmp / "partition-cache"), warm=True, poll=NODE_POLL)
+        fed.wait_nodes_online(NODES)
+        for name, extra in WIRE_CASES.items():
+            got = []
+            for rounds in WIRE_ROUNDS:
+                out = tmp / f"wire-{len(rows)}-{rounds}"
+                start = counts.stat().st_size if counts.exists() else 0
+                overrides = shlex.join(
+                    [*FEDSIM_OVERRIDES, *extra, f"num_rounds={rounds}", "checkpoint_every=0"]
+                )
+                run_id = fed.submit(FEDSIM_APP, {"overrides": overrides, "out-dir": str(out)})
+                status = fed.wait_run(run_id, timeout, done=(out / "summary.json").exists)
+                if status["status"] != "finished:completed":
+                    sys.exit(f"fedsim's run {run_id} ended {status}:\n{fed.run_log(run_id)[-3000:]}")
+                time.sleep(1.0)  # the last confirmations and polls of the run reach the count file
+                with counts.open("rb") as f:
+                    f.seek(start)
+                    lines = [json.loads(x) for x in f.read().decode().splitlines() if x.strip()]
+                summary = json.loads((out / "summary.json").read_text())
+                got.append((summary["total_bytes_up"], summary["total_bytes_down"], wire_totals(lines)))
+            (up1, down1, w1), (up2, down2, w2) = got
+            rows.append((name, up2 - up1, down2 - down1, {k: w2.get(k, 0) - w1.get(k, 0) for k in w2}))
+            print(f"# {name}: {got}", flush=True)
+    n = WIRE_ROUNDS[1] - WIRE_ROUNDS[0]
+    print(
+        f"\n{NODES} local SuperNodes (warm, {NODE_POLL} s poll) behind fedsim's Python front, HTTP/1.1, TLS off; "
+        f"bytes per round over {n} rounds ({WIRE_ROUNDS[1]} - {WIRE_ROUNDS[0]}); before: {before}; "
+        f"after: {bench.machine_line()}"
+    )
+    head = ("case", "recorded up", "replies wire", "ratio", "bodies", "requests")
+    print("{:<17}{:>12}{:>14}{:>7}{:>8}{:>10}".format(*head))
+    for name, up, _, w in rows:
+        print(
+            f"{name:<17}{up / n:>12.0f}{w['reply'] / n:>14.0f}{w['reply'] / up:>7.2f}"
+            f"{w['reply_body'] / up:>8.2f}{w['reply_requests'] / n:>10.1f}"
+        )
+    head = ("case", "recorded down", "instr. wire", "ratio", "bodies", "requests")
+    print("{:<17}{:>14}{:>12}{:>7}{:>8}{:>10}".format(*head))
+    for name, _, down, w in rows:
+        print(
+            f"{name:<17}{down / n:>14.0f}{w['instruction'] / n:>12.0f}{w['instruction'] / down:>7.2f}"
+            f"{w['instruction_body'] / down:>8.2f}{w['instruction_requests'] / n:>10.1f}"
+        )
+    for name, up, down, w in rows:
+        print(
+            f"{name}: every byte per round, from the nodes {w['up'] / n:.0f} (recorded up {up / n:.0f}), to them "
+            f"{w['down'] / n:.0f} (recorded down {down / n:.0f}); idle polls, heartbeats and the like "
+            f"{w.get('other', 0) / n:.0f} of them"
+        )
+    if len(rows) == 2:
+        (_, up_dense, _, w_dense), (_, up_topk, _, w_topk) = rows
+        print(
+            f"top-k 1 % upload cut: {up_dense / up_topk:.1f}x recorded, {w_dense['reply'] / w_topk['reply']:.1f}x "
+            f"in reply traffic on the wire, {w_dense['up'] / w_topk['up']:.1f}x in all bytes from the nodes"
+        )
+
+
 def main() -> None:
     from fedsim.deploy.launch import Federation, Security
 
@@ -130,7 +246,12 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--nodes", default=",".join(KINDS), help="SuperNode kinds, each a federation of its own")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--wire", action="store_true", help="bytes on the wire against the recorded bytes (only)")
     args = ap.parse_args()
+    if args.wire:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_wire(Path(tmp), args.timeout)
+        return
     variants = args.variants.split(",")
     before = bench.machine_line()
     rows: dict[str, list[list[float]]] = {}

@@ -6,12 +6,14 @@ What is measured, exactly: a message's size is that of its RecordDict in Flower'
 object, so each distinct object is sized once.
 
 What it is not: the bytes on the wire. In simulation nothing travels. In a deployment Flower 1.42 does not
-send one RecordDict protobuf between SuperLink and SuperNode: it ships a message as separate objects (the
-message and each record or array, each with its own header and identifier), inside gRPC/HTTP2 frames and,
-with TLS, records. That adds a per-object overhead, small against a dense model (an audit measured about +7 %
-on the digits MLP) and large against a tiny one (about 2x for a top-k 1 % reply), so compression ratios
-computed from these sizes overstate the cut on the wire for small replies. ``bench/deploy.py`` is the place
-to measure the wire.
+send one RecordDict protobuf between SuperLink and SuperNode: a SuperNode pulls a message and then each of its
+objects (records, arrays, array chunks) in requests of their own (``pull-messages``, ``pull-object``,
+``confirm-message-received``), and pushes a reply the same way (``push-messages``, ``push-object``), each
+request and answer with its own HTTP headers and, with TLS, records. ``python bench/deploy.py --wire`` counts
+those bytes at fedsim's Python front; measured on the digits MLP with 3 nodes (HTTP/1.1, TLS off, per round):
+a dense reply costs 1.9x its recorded ``bytes_up`` on the wire (1.2x in protobuf bodies alone, the rest
+headers of about 13 requests per reply), an instruction 1.8x its ``bytes_down``, and a top-k 1 % reply 15x
+(4.3x in bodies), so top-k 1 %'s 23x cut of the recorded upload is 2.9x in reply traffic on the wire.
 
 Arrays are sized without being encoded: an ``Array`` message is its header (dtype, shape, stype: encoded
 once per kind and cached) plus its ``data`` field, and each enclosing message adds its fields' tags and

@@ -393,8 +393,14 @@ class Run:
             )
             why["empty cohort"] += nobody  # nothing sent: e.g. DP's Poisson sampling drew no client
         causes = ", ".join(f"{k}: {n}" for k, n in why.items() if n) or "no valid replies"
+        # under DP (noise) a round without a valid reply is not skipped: it releases the model plus its noise
+        fate = (
+            "were skipped"
+            if all(r.get(schema.SKIPPED) for r in done)
+            else "released DP noise alone or were skipped"
+        )
         return (
-            f"no round aggregated an update: all {len(done)} round(s) were skipped ({causes}); "
+            f"no round aggregated an update: all {len(done)} round(s) {fate} ({causes}); "
             f"check faults, heterogeneity (dropout_prob, deadline), min_replies and the clients"
         )
 

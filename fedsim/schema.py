@@ -43,6 +43,34 @@ BYTES_DOWN = "bytes_down"
 # Fields measured on the wall clock: they differ between two runs that compute the same thing.
 WALL_CLOCK = (WALL_TIME, ROUND_TIME)
 
+# Under DP (clipping.noise_multiplier > 0): the fields that are post-processing of the private releases (with the
+# task's eval_<metric>), and every other field a sync round may write: exact statistics of the cohort and its
+# replies, written for the operator and outside the guarantee (README, "Privacy", "Not covered").
+DP_COVERED = (ROUND, CLIP_NORM, NOISE_STD, NOISY_UNCLIPPED_FRACTION, EPSILON, EVAL_LOSS, EVAL_ACCURACY)
+DP_NOT_COVERED = (
+    NUM_CLIENTS,
+    TRAIN_LOSS,
+    FAILURES,
+    FAILURE_KINDS,
+    SKIPPED,
+    DROPPED_OUT,
+    DROPPED_LATE,
+    PARTIAL_WORK,
+    MALICIOUS,
+    BYTES_UP,
+    BYTES_DOWN,
+    ROUND_TIME,
+    WALL_TIME,
+    SIM_TIME,
+    FED_EVAL_LOSS,
+    FED_EVAL_ACCURACY,
+    PERSONAL_EVAL_ACCURACY,
+    PERSONAL_EVAL_ACCURACY_P10,
+    CLIPPED_FRACTION,
+    CLIPPED,
+    UPDATE_NORM,
+)
+
 FIELDS: dict[str, str] = {
     ROUND: "round (sync) or server model version (async); 0 is the initial model",
     WALL_TIME: "seconds since the run started",
@@ -59,7 +87,8 @@ FIELDS: dict[str, str] = {
     PERSONAL_EVAL_ACCURACY_P10: "federated evaluation: 10th percentile over the clients of that accuracy",
     FAILURES: "replies dropped: errors, timeouts, NaN/Inf, wrong shapes",
     FAILURE_KINDS: "those failures by kind",
-    SKIPPED: "true when the round kept the old model (too few valid replies)",
+    SKIPPED: "true when the round kept the old model (too few valid replies; never under DP with noise, where "
+    "such a round releases the model plus its noise)",
     DROPPED_OUT: "sampled clients that dropped out (heterogeneity)",
     DROPPED_LATE: "sampled clients past the round's deadline",
     PARTIAL_WORK: "clients that sent the steps they finished before the deadline",

@@ -2,7 +2,10 @@
 
 Per round: sample the cohort (seeded, by partition id), let the strategy build the train messages for a
 ``SampledGrid`` view, send them, screen the replies (errors, NaN/Inf, wrong shapes are dropped and counted),
-aggregate in partition order, evaluate the global model on the server's test split, record.
+aggregate in partition order, evaluate the global model on the server's test split, record. A round with fewer
+than ``min_replies`` valid replies is skipped (the model is kept), except under a strategy that releases a model
+every round (DP with noise, ``base.releases_every_round``): it is configured even for an empty cohort and
+aggregates whatever valid replies it got, none included, as the privacy analysis assumes.
 """
 
 from __future__ import annotations
@@ -176,6 +179,13 @@ def run_sync(
     """Run synchronous rounds until ``loop.num_rounds``; call ``on_round(record, state)`` after each."""
     node_of, sizes = connect_sizes(grid, loop, spec)
     work = Workload(spec, sizes)
+    every_round = base.releases_every_round(strategy)  # DP: no round is skipped, an empty one is noised
+    if every_round and loop.min_replies > 1:
+        log.warning(
+            "min_replies=%d does not apply with DP noise: every round releases the noised sum of its valid "
+            "replies, however few (none: the model plus the noise)",
+            loop.min_replies,
+        )
     if state.round == 0:
         record_initial(state, evaluate_fn, on_round, loop.metric)
 
@@ -203,7 +213,9 @@ def run_sync(
         view = SampledGrid(grid, [node_of[p] for p in sent])
         config = ConfigRecord({keys.RUN_SPEC: spec})
         try:
-            messages = list(strategy.configure_train(rnd, state.arrays, config, view)) if sent else []
+            messages = (
+                list(strategy.configure_train(rnd, state.arrays, config, view)) if sent or every_round else []
+            )
         except StopRun as stop:
             log.warning("stopping before round %d: %s", rnd, stop)
             state.stop_reason = str(stop)
@@ -235,7 +247,7 @@ def run_sync(
                 record[field_name] = fates[fate]
         waited = bool(fates["dropout"] or fates["late"])
         state.sim_time += clock.round_time([plans[p].duration for p in sent], waited=waited)
-        if len(valid) < loop.min_replies:
+        if len(valid) < loop.min_replies and not every_round:
             log.warning(
                 "round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies
             )

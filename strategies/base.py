@@ -30,6 +30,12 @@ capability                    meaning
                               (``fedsim.compression``); the loop decodes them before screening.
 :class:`CountsMalicious`     ``malicious_among(partition_ids)``: how many of a round's replies came from
                               attackers (``fedsim.attacks``; metrics.jsonl field ``malicious``).
+:class:`ReleasesEveryRound`  ``releases_every_round`` (a property, True for DP's wrapper with noise, found
+                              through the wrapper chain): every sampled round releases a model. The loop
+                              never skips such a round: it calls ``configure_train`` even for an empty
+                              cohort (a grid view without nodes: nothing is sent) and ``aggregate_train``
+                              with the valid replies however few (``min_replies`` does not apply), none
+                              included.
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
                               strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
 ``releases``                  class attribute: what the strategy sends its clients and how it is computed
@@ -104,6 +110,14 @@ class CountsMalicious(Protocol):
 
 
 @runtime_checkable
+class ReleasesEveryRound(Protocol):
+    """A strategy (DP's wrapper) whose every sampled round releases a model, with or without valid replies."""
+
+    @property
+    def releases_every_round(self) -> bool: ...
+
+
+@runtime_checkable
 class ReportsSummary(Protocol):
     """A strategy with something to say in summary.json."""
 
@@ -162,6 +176,20 @@ def decode_replies(strategy: object, replies: list[Message], current: Any) -> li
         inner = getattr(strategy, "strategy", None)
         strategy = inner if isinstance(inner, (Strategy, AsyncStrategy)) else None
     return replies
+
+
+def releases_every_round(strategy: object) -> bool:
+    """True when a wrapper in the chain (DP's, with noise) releases a model every sampled round, however few its
+    valid replies (none included): the loop then neither skips the round nor leaves out ``configure_train`` for
+    an empty cohort. Wrappers outside it (compression, attack) pass both calls on."""
+    from flwr.serverapp.strategy import Strategy
+
+    while strategy is not None:
+        if isinstance(strategy, ReleasesEveryRound):
+            return bool(strategy.releases_every_round)
+        inner = getattr(strategy, "strategy", None)
+        strategy = inner if isinstance(inner, (Strategy, AsyncStrategy)) else None
+    return False
 
 
 def malicious_count(strategy: object, partition_ids: Iterable[int]) -> int | None:

@@ -11,16 +11,19 @@ https://arxiv.org/abs/1905.03871).
    ``q = m / N`` (``m = clients_per_round``), so the cohort size varies; with ``sampling="fixed"`` exactly
    ``m`` clients without replacement. epsilon is accounted for exactly that sampler
    (``fedsim.strategies.accounting``: add/remove-one adjacency for Poisson, replace-one for fixed). The
-   round is charged **when its cohort is drawn**, not when it is aggregated: a round that the loop then
-   skips (an empty Poisson cohort, fewer than ``min_replies`` valid replies, every reply dropped) still
-   costs its epsilon. That is conservative (a skipped round releases no model) and keeps the accountant
-   independent of what happens after sampling. If one more round would take epsilon above ``max_epsilon``
-   nothing is charged and ``configure_train`` raises ``StopRun`` (the loop catches it there and stops
-   cleanly; so that it gets that far, ``sample_cohort`` then returns the whole population, to which nothing
-   is ever sent). Used outside fedsim's loop (no ``sample_cohort`` call), ``configure_train`` charges the
+   round is charged once, **when its cohort is drawn**, and every charged round releases exactly what the
+   analysed mechanism releases (3.): the loop skips no DP round (``releases_every_round``). An empty Poisson
+   cohort, a round whose every reply failed or was dropped, and one with fewer than ``min_replies`` valid
+   replies all release ``x + sum_k clip(d_k) / m + xi`` over the valid replies (an empty sum: ``x + xi``).
+   Dropping a round's few replies instead (releasing ``x + xi``, or ``x`` unnoised) would let one client
+   switch the release between the two, which the sensitivity ``C`` does not cover. If one more round would
+   take epsilon above ``max_epsilon`` nothing is charged and ``configure_train`` raises ``StopRun`` (the loop
+   catches it there and stops cleanly; so that it gets that far, ``sample_cohort`` then returns the whole
+   population, to which nothing is ever sent). Used outside fedsim's loop (no ``sample_cohort`` call), ``configure_train`` charges the
    round instead, once per round number.
 2. ``configure_train`` remembers the global model ``x`` and with ``side="client"`` puts ``clip-norm`` into
-   the train config (fedsim's client clips and reports ``clipped`` and ``update-norm``).
+   the train config (fedsim's client clips and reports ``clipped`` and ``update-norm``). For an empty cohort
+   it sends nothing (the inner strategy configures the round on a stand-in node, whose message is dropped).
 3. ``aggregate_train`` takes each update ``d_k = reply_k - x`` (floating-point arrays, flat over all of them),
    drops one holding NaN/Inf, and clips it to ``C`` (server side; client side it re-clips, which is a no-op
    for honest clients, and warns about clients that did not clip). The replies become
@@ -32,10 +35,13 @@ https://arxiv.org/abs/1905.03871).
    the inner strategy's output gives the same aggregate for any translation-equivariant rule (mean, median,
    trimmed mean, Krum) and means a server optimiser (FedAvgM, FedAdam...) only ever sees the noised
    pseudo-gradient, so its state is post-processing of private releases. The DP guarantee is for mean-type
-   inner strategies; robust rules get the same noise but their sensitivity is not analysed here.
+   inner strategies; robust rules get the same noise but their sensitivity is not analysed here. Without a
+   valid reply the inner strategy aggregates one stand-in reply ``x + xi`` (weight 1; FedNova's
+   ``x + tau_pub xi``): the same release, and a server optimiser steps on the noised pseudo-gradient as in any other round.
 4. Reports ``clip-norm`` (used this round; a function of earlier private releases), ``noise-std``,
-   ``epsilon`` (spent so far, including skipped rounds) and, for adaptive clipping, the noised unclipped
-   fraction ``noisy-unclipped-fraction`` it moves ``C`` with. No exact per-round client statistic is
+   ``epsilon`` (spent so far, every drawn round included) and, for adaptive clipping, the noised unclipped
+   fraction ``noisy-unclipped-fraction`` it moves ``C`` with (the count of unclipped valid replies, 0
+   without any, plus its noise, over the fixed denominator ``m`` like the update sum). No exact per-round client statistic is
    reported (no exact ``clipped-fraction``, the clients' ``clipped``/``update-norm`` are dropped from the
    train metrics) unless ``debug_metrics=True``, which breaks the guarantee. The example-weighted
    ``train-loss`` is passed on and is not covered by the guarantee.
@@ -63,14 +69,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
-from fedsim.grid_utils import first_line
+from fedsim.grid_utils import SampledGrid, first_line
 from fedsim.strategies import base, composition
 from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.aggregate import (
@@ -80,7 +86,7 @@ from fedsim.strategies.aggregate import (
     noise_std,
     subtract,
 )
-from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy
+from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy, to_record
 
 log = logging.getLogger("fedsim")
 
@@ -96,6 +102,27 @@ _CLIENT_STATISTICS = (keys.CLIPPED, keys.UPDATE_NORM)  # exact per-client values
 MIN_NOISE_SEED_BITS = (
     64  # an operator-set noise seed must be at least this long (not found by trying them all)
 )
+
+
+STAND_IN_NODE = 0  # a node id that no real node has (Flower draws node ids at random, never 0)
+
+
+def _noise_reply(server_round: int, arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> Message:
+    """A stand-in train reply carrying ``arrays`` with ``metrics``: what the inner strategy aggregates in a DP
+    round without a valid reply (the global model plus the round's noise, weight 1)."""
+    meta = Metadata(
+        run_id=0,
+        message_id="",
+        src_node_id=STAND_IN_NODE,
+        dst_node_id=0,
+        reply_to_message_id="",
+        group_id=str(server_round),
+        created_at=0.0,
+        ttl=0.0,
+        message_type=MessageType.TRAIN,
+    )
+    content = RecordDict({keys.ARRAYS: to_record(arrays), keys.METRICS: MetricRecord(dict(metrics))})
+    return Message(content=content, metadata=meta)
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -254,6 +281,12 @@ class ClippingWrapper(Strategy):
         """True when Gaussian noise is added (DP mode)."""
         return self.noise_multiplier > 0
 
+    @property
+    def releases_every_round(self) -> bool:
+        """DP mode: every sampled round releases the global model plus its noise, even without a valid reply
+        (``fedsim.strategies.base.ReleasesEveryRound``: the loop then skips no round)."""
+        return self.dp
+
     def epsilon(self) -> float | None:
         """epsilon at ``delta`` spent so far (``None`` without noise)."""
         return None if self.accountant is None else self.accountant.epsilon(self.rounds_accounted)
@@ -305,12 +338,24 @@ class ClippingWrapper(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Stop if the budget is spent, remember the global model, ask clients to clip (client side)."""
+        """Stop if the budget is spent, remember the global model, ask clients to clip (client side).
+
+        In DP mode a grid without nodes (an empty Poisson cohort) gets no message, but the inner strategy still
+        configures the round on a stand-in node (its messages are dropped), so that a server optimiser steps
+        from this round's model when ``aggregate_train`` releases the noise.
+        """
         if self.dp and not self._charge(server_round):
             raise StopRun(self._stop_reason)
         self.current = to_numpy(arrays)
         if self.side == "client":
             config[keys.CLIP_NORM] = self.clip_norm
+        if self.dp and not list(grid.get_node_ids()):
+            list(
+                self.strategy.configure_train(
+                    server_round, arrays, config, SampledGrid(grid, [STAND_IN_NODE])
+                )
+            )
+            return []
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
     def aggregate_train(
@@ -364,7 +409,7 @@ class ClippingWrapper(Strategy):
                 unclipping_clients,
                 c,
             )
-        if not kept:
+        if not kept and not self.dp:
             return None, None
 
         sigma = noise_std(self.update_noise_multiplier, c, m)
@@ -384,17 +429,29 @@ class ClippingWrapper(Strategy):
             }
             new = cast_like({**arrays, **new}, arrays)
             rebuilt.append(rebuild_reply(msg, new, override if self.dp else None))
+        if not kept:  # DP, no valid reply: the same release with an empty sum, x + gain * xi
+            noised = {k: np.asarray(self.current[k], np.float64) + gain * shift[k] for k in floats}
+            rebuilt.append(
+                _noise_reply(server_round, cast_like({**self.current, **noised}, self.current), override)
+            )
+            log.info(
+                "round %d: no valid reply; released the global model plus the round's noise", server_round
+            )
 
         out, metrics = self.strategy.aggregate_train(server_round, rebuilt)
         if out is None:
             return None, metrics
         if self.dp:
             # the replies' own weights: train_loss means the same with and without noise
-            metrics = base.train_metrics(self.strategy, [msg for msg, _, _ in kept], weight_key) or metrics
+            metrics = (
+                (base.train_metrics(self.strategy, [msg for msg, _, _ in kept], weight_key) or metrics)
+                if kept
+                else None
+            )
             if metrics is not None and not self.debug_metrics:
                 metrics = {k: v for k, v in dict(metrics).items() if k not in _CLIENT_STATISTICS}
         report = {keys.AGG_CLIP_NORM: c, keys.AGG_NOISE_STD: sigma}
-        if not self.dp or self.debug_metrics:
+        if bits and (not self.dp or self.debug_metrics):
             report[keys.AGG_CLIPPED_FRACTION] = 1.0 - float(np.mean(bits))
         if self.dp:
             report[keys.AGG_EPSILON] = self.epsilon()
@@ -448,7 +505,7 @@ class ClippingWrapper(Strategy):
     def summary_fields(self) -> dict[str, Any]:
         """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency); not the seed.
 
-        ``epsilon`` (also written as ``final_epsilon``) is the accountant's total, skipped rounds included.
+        ``epsilon`` (also written as ``final_epsilon``) is the accountant's total over every drawn round.
         """
         if not self.dp:
             return {"sampling": "fixed", "noise_multiplier": 0.0}

@@ -541,6 +541,71 @@ def test_python_front_forwards_fleet_calls_and_refuses_the_rest():
         upstream.shutdown()
 
 
+def test_python_front_counts_the_bytes_each_way_exactly(tmp_path):
+    """--count-file: a request's bytes as the node sent them and the answer's as it received them, byte for byte."""
+    import http.server
+    import socket
+
+    from fedsim.deploy import pyfront
+
+    class Upstream(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/protobuf")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"x" * 1000)
+
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port, counts = free_port(), tmp_path / "counts.jsonl"
+    threading.Thread(
+        target=pyfront.serve,
+        args=("127.0.0.1", port, upstream.server_address[1]),
+        kwargs={"count_file": counts},
+        daemon=True,
+    ).start()
+    body = bytes(range(256)) * 3
+    request = (
+        b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/protobuf\r\n"
+        + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+        + body
+    )
+    try:
+        for _ in range(100):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                time.sleep(0.05)  # not listening yet
+        with sock:
+            sock.sendall(request)
+            answer = b""
+            while piece := sock.recv(65536):
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"x" * 1000)
+        for _ in range(100):
+            if counts.exists() and counts.read_text():
+                break
+            time.sleep(0.05)
+        line = json.loads(counts.read_text().splitlines()[0])
+        assert line == {
+            "route": "/v1/fleet/push-object",
+            "up": len(request),
+            "down": len(answer),
+            "up_body": len(body),
+            "down_body": 1000,
+        }
+    finally:
+        upstream.shutdown()
+
+
 @pytest.mark.skipif(front_nginx() is None, reason="nginx is not installed")
 def test_nginx_accepts_the_generated_front_configuration(tmp_path):
     from fedsim.deploy import front

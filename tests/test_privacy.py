@@ -19,7 +19,7 @@ from dp_accounting.rdp import RdpAccountant
 from flwr.app import ArrayRecord
 from strategy_helpers import flower_kwargs
 
-from fedsim import keys
+from fedsim import keys, schema
 from fedsim.strategies.clip_wrapper import SECRET_TAG, UPDATE_NOISE
 from fedsim.strategies.clipping import FixedClipping
 from fedsim.strategies.fedavg import FedAvg
@@ -100,10 +100,12 @@ def test_epsilon_per_round_equals_dp_accounting_for_the_sampler_that_ran(tmp_pat
 
 
 @pytest.mark.slow
-def test_poisson_cohorts_vary_and_skipped_rounds_are_charged(tmp_path):
-    # q = 0.5 over 6 clients; rounds with fewer than min_replies = 3 sampled clients are skipped
+def test_poisson_cohorts_vary_and_every_round_is_released_with_noise_and_charged_once(tmp_path):
+    """q = 0.5 over 6 clients. A round with fewer than min_replies = 3 sampled clients, or none, is not skipped:
+    it releases the noised sum of what it got (none: the model plus the noise), as the analysed mechanism
+    does, and the accountant charges it once."""
     n, m, rounds = 6, 3, 6
-    ns = seed_where(lambda s: min(s) < 3 <= s[0] and len(set(s)) > 2, n, m, rounds)
+    ns = seed_where(lambda s: s[0] >= 3 and 0 in s[1:] and any(0 < x < 3 for x in s), n, m, rounds)
     summary = run_tiny(
         tmp_path,
         *DP,
@@ -113,18 +115,22 @@ def test_poisson_cohorts_vary_and_skipped_rounds_are_charged(tmp_path):
         "min_replies=3",
         f"clipping.noise_seed={ns}",
     )
-    records = read_metrics(tmp_path)[1:]
+    records = read_metrics(tmp_path)
     sizes = cohort_sizes(ns, n, m, rounds)
-    skipped = [r["round"] for r in records if r.get("skipped")]
-    assert skipped == [i + 1 for i, size in enumerate(sizes) if size < 3] != []
-    kept = [r for r in records if not r.get("skipped")]
-    assert len({r["num_clients"] for r in kept}) > 1  # the cohort size varies
-    for r in kept:  # epsilon after round r counts every round drawn so far, skipped ones included
+    assert [r["num_clients"] for r in records[1:]] == sizes  # the cohort size varies, 0 included
+    for r in records[1:]:
+        assert not r.get("skipped") and r["noise_std"] == pytest.approx(1.0 * 1.0 / m)
         assert r["epsilon"] == pytest.approx(direct_epsilon("poisson", "rdp", n, m, 1.0, 1e-5, r["round"]))
+    for rnd in (i + 1 for i, size in enumerate(sizes) if size == 0):  # the noise alone moved the model
+        assert records[rnd]["eval_loss"] != records[rnd - 1]["eval_loss"]
+        assert "train_loss" not in records[rnd]
     assert summary["final_epsilon"] == pytest.approx(
         direct_epsilon("poisson", "rdp", n, m, 1.0, 1e-5, rounds)
     )
-    assert summary["rounds_accounted"] == rounds
+    assert summary["rounds_accounted"] == rounds and summary["status"] == "completed"
+    # every field written is either a private release or on the README's "not covered" list
+    written = set().union(*[set(r) for r in records])
+    assert written <= set(schema.DP_COVERED) | set(schema.DP_NOT_COVERED), written
 
 
 @pytest.mark.slow
@@ -267,7 +273,10 @@ def test_a_run_whose_every_poisson_cohort_is_empty_says_so(tmp_path):
     from fedsim.errors import RunError
 
     ns = seed_where(lambda s: max(s) == 0, 6, 3, 1)  # q = 0.5 of 6: an empty cohort 1 in 64
-    with pytest.raises(RunError, match=r"all 1 round\(s\) were skipped \(empty cohort: 1\)"):
+    # not skipped (the round released the model plus its noise), but no client's update was aggregated
+    with pytest.raises(
+        RunError, match=r"all 1 round\(s\) released DP noise alone or were skipped \(empty cohort: 1\)"
+    ):
         run_tiny(tmp_path, *DP, "num_rounds=1", f"clipping.noise_seed={ns}")
 
 

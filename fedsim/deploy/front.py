@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         "--max-body", type=int, default=None, help="largest request body in bytes (default: body_limit())"
     )
     p.add_argument("--limits", default="{}", help="other Limits fields as JSON, e.g. '{\"rate\": 50}'")
+    p.add_argument(
+        "--count-file", type=Path, help="append each forwarded request's bytes here, one JSON line each"
+    )
     a = p.parse_args(argv)
     host, _, port = a.listen.rpartition(":")
     if bool(a.cert) != bool(a.key) or bool(a.cert) != bool(a.ca):
@@ -259,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--limits: {e}")
     from fedsim.deploy.pyfront import serve
 
-    serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca, limits)
+    serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca, limits, a.count_file)
     return 0
 
 

@@ -7,6 +7,11 @@ request line and headers within ``header_timeout``; a body that stalls for ``bod
 under ``min_rate``, is dropped; bodies over ``max_body`` get 413 before a byte of them is read. A body is
 copied in pieces into a spooled temporary file (on disk above 1 MB) and forwarded only once complete; the
 SuperLink's answer is streamed back.
+
+``count_file`` (``--count-file``, for measurements such as ``bench/deploy.py``'s): one JSON line per forwarded
+request, ``{"route", "up", "down", "up_body", "down_body"}``: the bytes the node sent (request line, headers
+and body, as HTTP/1.1 carries them before TLS) and the bytes it was sent back (status line, headers, body),
+and the bodies alone (the Fleet API's protobuf messages).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import http.server
+import json
 import socket
 import ssl
 import sys
@@ -66,6 +72,27 @@ class _Gate:
                 self._active.pop(addr, None)
 
 
+class _Counter:
+    """Appends one JSON line per forwarded request to a file (see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self._lock = threading.Lock()
+        self._file = open(path, "a", encoding="utf-8")  # kept open for the life of the process
+
+    def add(self, route: str, up: int, down: int, up_body: int, down_body: int) -> None:
+        line = json.dumps(
+            {"route": route, "up": up, "down": down, "up_body": up_body, "down_body": down_body}
+        )
+        with self._lock:
+            self._file.write(line + "\n")
+            self._file.flush()
+
+
+def request_head_bytes(request_line: bytes, headers) -> int:
+    """Bytes of a request's line and headers as HTTP/1.1 carries them (``Name: value`` CRLF each, a blank line)."""
+    return len(request_line) + sum(len(f"{k}: {v}\r\n".encode()) for k, v in headers.items()) + 2
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "fedsim-front"
@@ -75,6 +102,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     limits: Limits = Limits()
     gate: _Gate | None = None
     upstream_slots: threading.Semaphore | None = None
+    counter: _Counter | None = None
+    _sent_head = 0  # bytes of the status line and headers sent back (counted when a counter is set)
+
+    def flush_headers(self) -> None:
+        if self.counter is not None and getattr(self, "_headers_buffer", None):
+            self._sent_head = sum(len(b) for b in self._headers_buffer)
+        super().flush_headers()
 
     def setup(self) -> None:
         super().setup()
@@ -200,6 +234,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             conn.close()
             self._deny(502)
             return
+        sent = 0
         try:
             self.send_response(res.status, res.reason)
             for k, v in res.getheaders():
@@ -211,11 +246,16 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 return
             if data is not None:
                 self.wfile.write(data)
+                sent = len(data)
                 return
             while piece := res.read(64 * 1024):  # streamed back, not held whole
                 self.wfile.write(piece)
+                sent += len(piece)
         finally:
             conn.close()
+            if self.counter is not None:
+                head = request_head_bytes(self.raw_requestline, self.headers)
+                self.counter.add(self.path, head + length, self._sent_head + sent, length, sent)
 
     do_GET = do_POST = do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _forward
 
@@ -256,8 +296,10 @@ def serve(
     key: Path | None = None,
     ca: Path | None = None,
     limits: Limits | None = None,
+    count_file: Path | None = None,
 ) -> None:
-    """Run the Python front until killed (TLS on both sides when ``cert``, ``key`` and ``ca`` are given)."""
+    """Run the Python front until killed (TLS on both sides when ``cert``, ``key`` and ``ca`` are given);
+    with ``count_file``, count each forwarded request's bytes there (see the module docstring)."""
     limits = limits or Limits()
     handler = type(
         "Handler",
@@ -268,6 +310,7 @@ def serve(
             "limits": limits,
             "gate": _Gate(limits),
             "upstream_slots": threading.BoundedSemaphore(limits.upstream_conns),
+            "counter": _Counter(count_file) if count_file else None,
         },
     )
     server_cls = type(
