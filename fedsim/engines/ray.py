@@ -7,6 +7,7 @@ This is the only module that imports ``flwr.simulation``. ``placement`` becomes 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -178,6 +179,20 @@ def preflight(backend: dict) -> None:
     check_resources(backend)
 
 
+def _no_failure_signal_handler() -> None:
+    """Keep Ray's C++ failure-signal handler out of this (the driver's) process.
+
+    Ray's core worker installs one at ``ray.init`` that, for SIGTERM, logs "SIGTERM received" and aborts the
+    process (exit -6), racing fedsim's own handler, which writes the run's outputs and exits 143; on a loaded
+    machine the abort sometimes won. Ray reads the switch from ``ray_constants`` when the driver connects; its
+    workers keep their handlers.
+    """
+    with contextlib.suppress(ImportError, AttributeError):
+        from ray._private import ray_constants
+
+        ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+
+
 def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) -> None:
     """Run ``server_main(grid)`` as a ServerApp against ``num_clients`` simulated SuperNodes.
 
@@ -191,6 +206,8 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
     from flwr.simulation import run_simulation
 
     from fedsim.client_app import app as client_app
+
+    _no_failure_signal_handler()
 
     server_app = ServerApp()
     failed = threading.Event()
