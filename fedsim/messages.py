@@ -22,9 +22,9 @@ from fedsim.seeds import Purpose, torch_generator
 from fedsim.strategies.records import to_numpy
 
 # Train-config keys with a meaning on the client; anything else is "unhandled" (see TrainInstruction).
-_DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
+DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
 KNOWN_TRAIN_KEYS = frozenset(
-    {keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, keys.CLIP_NORM, *_DRAW_INDEX_KEYS}
+    {keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, keys.CLIP_NORM, *DRAW_INDEX_KEYS}
 )
 
 
@@ -63,7 +63,7 @@ class TrainInstruction:
 
 def parse_train(config: ConfigRecord) -> TrainInstruction:
     """Read a train message's ConfigRecord (``KeyError`` when it holds no run spec)."""
-    index = next((config[k] for k in _DRAW_INDEX_KEYS if k in config), 0)
+    index = next((config[k] for k in DRAW_INDEX_KEYS if k in config), 0)
     return TrainInstruction(
         spec=str(config[keys.RUN_SPEC]),
         draw_index=int(index),

@@ -1,6 +1,7 @@
 """The vectorized engine trains a cohort as one batched model and matches the sequential ClientApp."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -105,10 +106,15 @@ def test_models_it_cannot_batch_are_named():
 
 
 @pytest.mark.slow
-def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(tmp_path, monkeypatch, batched_clients):
-    """A strategy that sends its own client-side key: the batched path must not drop it silently."""
+@pytest.mark.parametrize("taught_the_parser", [False, True])
+def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(
+    tmp_path, monkeypatch, batched_clients, caplog, taught_the_parser
+):
+    """A strategy that sends its own client-side key: the batched path must not drop it silently, also when the
+    key was added to the parser as the README's recipe says (the engine runs only the keys it implements)."""
     from flwr.app import ConfigRecord
 
+    import fedsim.messages
     from fedsim.strategies.fedavg import FedAvg
 
     seen_keys = []
@@ -129,9 +135,19 @@ def test_a_train_key_it_does_not_handle_falls_back_to_the_client_app(tmp_path, m
 
     monkeypatch.setattr(FedAvg, "configure_train", with_key)
     monkeypatch.setattr(ca, "parse_train", recording)
-    run_tiny(tmp_path, "engine=vectorized")
+    if taught_the_parser:
+        known = fedsim.messages.KNOWN_TRAIN_KEYS | {"my-client-knob"}
+        monkeypatch.setattr(fedsim.messages, "KNOWN_TRAIN_KEYS", known)
+    with caplog.at_level(logging.INFO, logger="fedsim"):
+        run_tiny(tmp_path, "engine=vectorized")
     assert not batched_clients  # every train message went through the ClientApp
-    assert seen_keys and all(k == {"my-client-knob": 0.5} for k in seen_keys)
+    expected = {} if taught_the_parser else {"my-client-knob": 0.5}
+    assert seen_keys and all(k == expected for k in seen_keys)
+    said = [r.getMessage() for r in caplog.records if "does not implement" in r.getMessage()]
+    assert said == [
+        "vectorized engine: running train messages through the ClientApp: train config keys it "
+        "does not implement: my-client-knob"
+    ]
 
 
 # ------------------------------------------------------------------ grouped convolutions, engine=auto
