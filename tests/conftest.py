@@ -1,15 +1,13 @@
 """Test session setup: offline Flower settings for every test (helpers live in ``helpers.py``), and which tests
-share one pytest-xdist worker.
+run on one pytest-xdist worker in turn.
 
 The suite runs on two workers (``addopts`` in pyproject.toml). The tests that start Flower's or Ray's services,
-launch sweeps or time benchmarks, or send signals to a run are kept on one worker, one after the other (their
-``xdist_group``): each still has a neighbour on the other core, never another of its kind, and test_deploy's
-federation (a module fixture) is started once.
+launch sweeps or time benchmarks, or send signals to a run are kept on one worker, one after the other (one
+scope of the scheduler): each still has a neighbour on the other core, never another of its kind, and
+test_deploy's federation (a module fixture) is started once.
 """
 
 import re
-
-import pytest
 
 from fedsim.config import flower_env
 
@@ -19,7 +17,20 @@ SERVICES_FILES = ("test_deploy.py", "test_sweepers.py", "test_bench_smoke.py", "
 SERVICES_NAMES = re.compile(r"ray|sigterm|sigkill|signal|ctrl_c|interrupt")
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in SERVICES_FILES or SERVICES_NAMES.search(item.name):
-            item.add_marker(pytest.mark.xdist_group("services"))
+def services(nodeid: str) -> bool:
+    """A test that starts services, launches sweeps, times a benchmark or signals a run (by file or name)."""
+    path, _, name = nodeid.partition("::")
+    return path.rsplit("/", 1)[-1] in SERVICES_FILES or bool(SERVICES_NAMES.search(name))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's scheduling by scope, with one scope for the services tests (in collection order, so a
+    module's fixtures are set up once) and one per test for the rest. (``--dist loadgroup`` would do this from
+    markers, but pytest-xdist 3.8 marks a group in ``item._nodeid``, which pytest 9 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Services(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "services" if services(nodeid) else nodeid
+
+    return Services(config, log)
