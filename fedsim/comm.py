@@ -25,8 +25,10 @@ encoder, byte for byte.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.serde import config_record_to_proto, metric_record_to_proto
 from flwr.proto.recorddict_pb2 import Array as ProtoArray
@@ -45,6 +47,53 @@ def message_bytes(messages: Iterable[Message]) -> int:
             sizes[key] = recorddict_bytes(msg.content)
         total += sizes[key]
     return total
+
+
+def stacked_bytes(stacked) -> int:
+    """``message_bytes(stacked.replies())`` for a cohort's stacked train replies
+    (``fedsim.messages.StackedReplies``), without making the replies: every row's ArrayRecord has the same
+    size, and a MetricRecord's size depends on its keys and integers only (a float is always 8 bytes)."""
+    from fedsim import keys
+    from fedsim.strategies.records import npy_header
+
+    if not len(stacked):
+        return 0
+    record = 0
+    for name, t in stacked.arrays.items():
+        dtype = torch_numpy_dtype(t.dtype)
+        shape = tuple(int(d) for d in t.shape[1:])
+        data = len(npy_header(dtype.str, shape)) + math.prod(shape) * dtype.itemsize
+        size = _array_head(str(dtype), shape, "numpy.ndarray") + (_field(data) if data else 0)
+        record += _field(_string(name) + _field(size))
+    arrays = _field(_string(keys.ARRAYS) + _field(record))
+    return len(stacked) * arrays + sum(
+        _metric_item_bytes(keys.METRICS, _size_key(m)) for m in stacked.metrics
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def torch_numpy_dtype(dtype) -> np.dtype:
+    """The numpy dtype a tensor of torch ``dtype`` converts to."""
+    import torch
+
+    return torch.empty(0, dtype=dtype).numpy().dtype
+
+
+def _size_key(metrics: dict) -> tuple:
+    """What a MetricRecord's encoded size depends on: its keys, its integers, and where floats are."""
+    return tuple(
+        (k, 1.0 if isinstance(v, float) else tuple(1.0 if isinstance(x, float) else x for x in v))
+        if isinstance(v, (float, list))
+        else (k, v)
+        for k, v in metrics.items()
+    )
+
+
+@functools.lru_cache(maxsize=65536)
+def _metric_item_bytes(key: str, size_key: tuple) -> int:
+    """The encoded size of a RecordDict item holding a MetricRecord laid out as ``size_key``."""
+    record = MetricRecord({k: (list(v) if isinstance(v, tuple) else v) for k, v in size_key})
+    return _field(ProtoRecordDict.Item(key=key, metric_record=metric_record_to_proto(record)).ByteSize())
 
 
 def recorddict_bytes(content: RecordDict) -> int:

@@ -484,6 +484,51 @@ def screen_replies(
     return _screen_together(valid, failures)
 
 
+def screen_stacked(stacked, reference: ArrayRecord, partitions: Mapping[int, int] | None = None):
+    """:func:`screen_replies` for a cohort's stacked train replies (``fedsim.messages.StackedReplies``):
+    ``(valid rows, failures)``, or None when only the per-message screen can judge them.
+
+    The engine made every row itself from the global model, so what the per-message screen checks of a reply's
+    form holds by construction; checked here once for the whole stack are the array names, shapes and dtypes
+    against ``reference``, each row's node and partition against ``partitions``, one row per partition, and
+    some examples to weight by; when any of these fails, None (the caller screens the rows as Messages, which
+    names each problem). What training can still produce, NaN or Inf in a row's model or train loss, fails the
+    row (kind ``nonfinite``, with the per-message screen's detail) after one vectorised check per parameter.
+    """
+    import torch
+
+    from fedsim.comm import torch_numpy_dtype
+
+    ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
+    got = {n: (tuple(t.shape[1:]), str(torch_numpy_dtype(t.dtype))) for n, t in stacked.arrays.items()}
+    pids, nodes = stacked.partition_ids, stacked.node_ids
+    if (
+        got != ref
+        or len(set(pids)) != len(pids)
+        or (partitions and any(partitions.get(n) != p for n, p in zip(nodes, pids)))
+    ):
+        return None
+    finite = np.ones(len(stacked), dtype=bool)
+    for t in stacked.arrays.values():
+        t = t.detach()
+        if t.device.type == "cpu":  # numpy: one thread, whatever torch's thread count
+            finite &= np.isfinite(t.numpy()).reshape(len(stacked), -1).all(1)
+        else:
+            finite &= torch.isfinite(t).flatten(1).all(1).cpu().numpy()
+    keep, failures = [], []
+    for i, (node, metrics) in enumerate(zip(nodes, stacked.metrics)):
+        loss = metrics.get(keys.TRAIN_LOSS, 0.0)
+        if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
+            failures.append(("nonfinite", f"NaN or Inf train loss from node {node}"))
+        elif not finite[i]:
+            failures.append(("nonfinite", f"NaN or Inf in the update from node {node}"))
+        else:
+            keep.append(i)
+    if keep and not any(stacked.metrics[i][keys.NUM_EXAMPLES] for i in keep):
+        return None
+    return stacked.take(keep), failures
+
+
 def _screen_together(valid: list[Message], failures: list) -> tuple[list[Message], list[tuple[str, str]]]:
     """The checks across a round's replies: one reply per partition, one layout, some examples to weight by."""
     seen: dict[int, int] = {}

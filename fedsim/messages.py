@@ -8,8 +8,6 @@ one path and silently ignored on the other: a key that the batched path does not
 
 from __future__ import annotations
 
-import functools
-import io
 import weakref
 from dataclasses import dataclass, field
 
@@ -19,7 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fedsim import keys
 from fedsim.seeds import Purpose, torch_generator
-from fedsim.strategies.records import to_numpy
+from fedsim.strategies.records import npy_header, to_numpy
 
 # Train-config keys with a meaning on the client; anything else is "unhandled" (see TrainInstruction).
 DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
@@ -58,7 +56,12 @@ class TrainInstruction:
 
     def generator(self, seed: int, partition_id: int) -> torch.Generator:
         """The generator of this client's minibatch order (the same on every engine)."""
-        return torch_generator(seed, Purpose.LOCAL_SHUFFLE, self.draw_index, partition_id)
+        return torch_generator(*self.generator_row(seed, partition_id))
+
+    def generator_row(self, seed: int, partition_id: int) -> tuple[int, ...]:
+        """What seeds :meth:`generator`: ``(seed, purpose, draw index, partition id)``
+        (``fedsim.seeds.torch_generators`` seeds a cohort's together)."""
+        return (int(seed), int(Purpose.LOCAL_SHUFFLE), int(self.draw_index), int(partition_id))
 
 
 def parse_train(config: ConfigRecord) -> TrainInstruction:
@@ -95,7 +98,22 @@ def train_reply(
 
     ``outgoing``: extra arrays for the server (a client algorithm's), one ArrayRecord per name.
     """
-    metrics = {
+    metrics = train_metrics(
+        num_examples=num_examples,
+        loss=loss,
+        partition_id=partition_id,
+        steps=steps,
+        examples_processed=examples_processed,
+        extra=extra,
+    )
+    return reply_message(msg, state, metrics, outgoing)
+
+
+def train_metrics(
+    *, num_examples: int, loss: float, partition_id: int, steps: int, examples_processed: int, extra=None
+) -> dict:
+    """The metrics of a train reply (the MetricRecord's entries), as :func:`train_reply` writes them."""
+    return {
         keys.NUM_EXAMPLES: int(num_examples),
         keys.TRAIN_LOSS: float(loss),
         keys.PARTITION_ID: int(partition_id),
@@ -103,6 +121,12 @@ def train_reply(
         keys.EXAMPLES_PROCESSED: int(examples_processed),
         **(extra or {}),
     }
+
+
+def reply_message(
+    msg: Message, state: dict[str, torch.Tensor], metrics: dict, outgoing: dict[str, dict] | None = None
+) -> Message:
+    """The reply to train message ``msg`` holding ``state`` and ``metrics`` (see :func:`train_reply`)."""
     records = {keys.ARRAYS: array_record(state), keys.METRICS: MetricRecord(metrics)}
     for name, arrays in (outgoing or {}).items():
         records[name] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
@@ -110,14 +134,6 @@ def train_reply(
 
 
 # ------------------------------------------------------------------------ ArrayRecord conversions, fewer copies
-@functools.lru_cache(maxsize=256)
-def _npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """The ``.npy`` header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape``."""
-    buf = io.BytesIO()
-    np.save(buf, np.zeros(shape, dtype=dtype), allow_pickle=False)
-    return buf.getvalue()[: -int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize or None]
-
-
 def to_array(t: torch.Tensor) -> Array:
     """``Array(t)`` with one copy instead of ``np.save``'s two (header cached per dtype and shape).
 
@@ -126,7 +142,7 @@ def to_array(t: torch.Tensor) -> Array:
     """
     x = t.detach().cpu().numpy()
     x = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # (ascontiguousarray makes 0-d arrays 1-d)
-    header = _npy_header(x.dtype.str, x.shape)
+    header = npy_header(x.dtype.str, x.shape)
     return Array(dtype=str(x.dtype), shape=tuple(x.shape), stype="numpy.ndarray", data=header + x.tobytes())
 
 
@@ -151,3 +167,120 @@ def global_state(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     state = arrays.to_torch_state_dict()
     _LAST_GLOBAL[:] = [weakref.ref(arrays), ident, state]
     return state
+
+
+# ------------------------------------------------------------------------ a cohort's train replies, stacked
+@dataclass
+class StackedReplies:
+    """The train replies of clients trained batched (``fedsim.engines.vectorized``), kept as stacked tensors.
+
+    Row ``i`` answers train message ``messages[i]``: its model is ``arrays[name][i]`` for every parameter
+    (tensors ``(rows, *shape)`` on the device the cohort trained on) and its metrics are ``metrics[i]`` (the
+    entries :func:`train_reply` writes). :meth:`replies` makes the per-client Flower Messages every other
+    consumer gets, equal to those the engine sends otherwise; a strategy with a batched form
+    (``fedsim.strategies.base.AggregatesStacked``) aggregates the rows without them.
+    """
+
+    messages: list[Message]
+    arrays: dict[str, torch.Tensor]
+    metrics: list[dict]
+
+    def __len__(self) -> int:
+        return len(self.metrics)
+
+    @property
+    def partition_ids(self) -> list[int]:
+        return [int(m[keys.PARTITION_ID]) for m in self.metrics]
+
+    @property
+    def node_ids(self) -> list[int]:
+        """The node each row comes from (its train message's destination)."""
+        return [int(msg.metadata.dst_node_id) for msg in self.messages]
+
+    def take(self, rows: list[int]) -> StackedReplies:
+        """The replies of ``rows``, in that order."""
+        if rows == list(range(len(self))):
+            return self
+        index = torch.tensor(rows, dtype=torch.long)
+        return StackedReplies(
+            [self.messages[i] for i in rows],
+            {n: t.index_select(0, index.to(t.device)) for n, t in self.arrays.items()},
+            [self.metrics[i] for i in rows],
+        )
+
+    def to(self, device: str | torch.device) -> StackedReplies:
+        """The same replies with their models on ``device``."""
+        return StackedReplies(self.messages, {n: t.to(device) for n, t in self.arrays.items()}, self.metrics)
+
+    @staticmethod
+    def concat(parts: list[StackedReplies]) -> StackedReplies | None:
+        """The rows of ``parts`` one after the other (on the CPU when the parts sit on different devices); None
+        when they do not stack (other parameters, shapes or dtypes)."""
+        first = parts[0]
+        layout = {n: (t.shape[1:], t.dtype) for n, t in first.arrays.items()}
+        if any({n: (t.shape[1:], t.dtype) for n, t in p.arrays.items()} != layout for p in parts):
+            return None
+        if len(parts) == 1:
+            return first
+        devices = {t.device for p in parts for t in p.arrays.values()}
+        if len(devices) > 1:
+            parts = [p.to("cpu") for p in parts]
+        return StackedReplies(
+            [m for p in parts for m in p.messages],
+            {n: torch.cat([p.arrays[n] for p in parts]) for n in first.arrays},
+            [m for p in parts for m in p.metrics],
+        )
+
+    def replies(self) -> list[Message]:
+        """One Flower reply Message per row, as the engine sends them (one copy off the device per parameter)."""
+        host = {n: t.detach().cpu() for n, t in self.arrays.items()}
+        return [
+            reply_message(msg, {n: t[i] for n, t in host.items()}, metrics)
+            for i, (msg, metrics) in enumerate(zip(self.messages, self.metrics))
+        ]
+
+    def metric_contents(self) -> list[RecordDict]:
+        """Each row's metrics as the content of a reply holding only its MetricRecord (what Flower's metric
+        aggregation functions read)."""
+        return [RecordDict({keys.METRICS: MetricRecord(m)}) for m in self.metrics]
+
+    def dtypes(self) -> dict[str, np.ndarray]:
+        """An empty numpy array of each parameter's dtype (what ``cast_like`` needs to know of a reply)."""
+        from fedsim.comm import torch_numpy_dtype
+
+        return {n: np.empty(0, torch_numpy_dtype(t.dtype)) for n, t in self.arrays.items()}
+
+    def weighted_mean(self, weights) -> dict[str, np.ndarray]:
+        """``sum_i w_i x_i / sum_i w_i`` per parameter in float64, computed where the rows are, as numpy arrays.
+
+        On the CPU the same products and sums in the same order as
+        ``fedsim.strategies.aggregate.weighted_mean`` of the rows' models, so the same bits; on a GPU matrix
+        products (float64 rounding apart).
+        """
+        from fedsim.strategies.aggregate import normalised_weights
+
+        if len(weights) != len(self):
+            raise ValueError(f"need one weight per row, got {len(self)} rows and {len(weights)} weights")
+        w = normalised_weights(weights)
+        out = {}
+        for n, t in self.arrays.items():
+            x = t.detach()
+            if x.device.type == "cpu":  # numpy: one thread, whatever torch's thread count
+                terms = x.numpy().astype(np.float64) * w.reshape(-1, *([1] * (x.dim() - 1)))
+                acc = terms[0].copy()
+                for term in terms[1:]:
+                    acc += term
+                out[n] = acc
+            else:
+                out[n] = device_mean(x, w).cpu().numpy()
+        return out
+
+
+def device_mean(x: torch.Tensor, w: np.ndarray, rows: int = 64) -> torch.Tensor:
+    """``sum_i w[i] x[i]`` in float64 where ``x`` is, as matrix products of ``rows`` rows at a time (float64
+    copies of a few rows, not of the whole stack)."""
+    wt = torch.as_tensor(w, dtype=torch.float64, device=x.device)
+    acc = torch.zeros(x.shape[1:], dtype=torch.float64, device=x.device)
+    for i in range(0, len(w), rows):
+        acc += torch.tensordot(wt[i : i + rows], x[i : i + rows].double(), dims=1)
+    return acc

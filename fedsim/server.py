@@ -32,8 +32,10 @@ from fedsim.grid_utils import (
     diverged_message,
     nonfinite_arrays,
     screen_replies,
+    screen_stacked,
     wait_for_nodes,
 )
+from fedsim.messages import StackedReplies
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.selection import probe_losses
@@ -221,18 +223,16 @@ def run_sync(
             state.stop_reason = str(stop)
             break
         _limit_partial(messages, plans, {nid: pid for pid, nid in node_of.items()})
-        replies = list(grid.send_and_receive(messages, timeout=loop.round_timeout)) if messages else []
-        bytes_up = comm.message_bytes(replies)  # as sent: compressed updates before decoding
-        replies = base.decode_replies(strategy, replies, state.arrays)
-        valid, failures = screen_replies(replies, state.arrays, {n: p for p, n in node_of.items()})
-        failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
-        valid.sort(key=_pid)
+        bytes_up, valid, failures = _train_replies(
+            grid, strategy, messages, state, node_of, loop.round_timeout
+        )
+        pids = valid.partition_ids if isinstance(valid, StackedReplies) else [_pid(r) for r in valid]
         record: dict = {
             schema.ROUND: rnd,
             schema.NUM_CLIENTS: len(valid),
             **failure_fields(failures, f"round {rnd}", "client"),
         }
-        malicious = base.malicious_count(strategy, [_pid(r) for r in valid])
+        malicious = base.malicious_count(strategy, pids)
         if malicious is not None:  # attack=: replies from attackers among the valid ones
             record[schema.MALICIOUS] = malicious
         record[schema.BYTES_DOWN] = comm.message_bytes(messages) + probed["down"]  # serialised, each way
@@ -254,7 +254,10 @@ def run_sync(
             record[schema.SKIPPED] = True
         else:
             try:
-                arrays, metrics = strategy.aggregate_train(rnd, valid)
+                if isinstance(valid, StackedReplies):
+                    arrays, metrics = strategy.aggregate_stacked(rnd, valid)
+                else:
+                    arrays, metrics = strategy.aggregate_train(rnd, valid)
             except StopRun as stop:
                 log.warning("stopping at round %d: %s", rnd, stop)
                 state.stop_reason = str(stop)
@@ -286,6 +289,38 @@ def run_sync(
         record[schema.ROUND_TIME] = time.perf_counter() - t0
         on_round(record, state)
     return state
+
+
+def _train_replies(
+    grid: Grid, strategy, messages: list[Message], state: RunState, node_of: dict[int, int], timeout: float
+) -> tuple[int, list[Message] | StackedReplies, list[tuple[str, str]]]:
+    """Send a round's train messages: ``(bytes up, valid replies in partition order, failures)``.
+
+    When the strategy takes stacked replies (``base.takes_stacked``) and the grid trained the whole cohort
+    batched (``send_and_receive_stacked``, the vectorized engine), the valid replies stay stacked tensors
+    (``StackedReplies``), screened and sized without per-client Messages; otherwise they are Messages.
+    """
+    if not messages:
+        return 0, [], []
+    partitions = {n: p for p, n in node_of.items()}
+    stacked = None
+    if base.takes_stacked(strategy) and hasattr(grid, "send_and_receive_stacked"):
+        replies, stacked = grid.send_and_receive_stacked(messages, timeout=timeout)
+    else:
+        replies = list(grid.send_and_receive(messages, timeout=timeout))
+    if stacked is not None:
+        screened = screen_stacked(stacked, state.arrays, partitions)
+        if screened is not None:
+            valid, failures = screened
+            order = sorted(range(len(valid)), key=valid.partition_ids.__getitem__)
+            return comm.stacked_bytes(stacked), valid.take(order), failures
+        replies = stacked.replies()  # the per-message screen names what is wrong
+    bytes_up = comm.message_bytes(replies)  # as sent: compressed updates before decoding
+    replies = base.decode_replies(strategy, replies, state.arrays)
+    valid, failures = screen_replies(replies, state.arrays, partitions)
+    failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
+    valid.sort(key=_pid)
+    return bytes_up, valid, failures
 
 
 def failure_fields(failures: list[tuple[str, str]], where: str, unit: str) -> dict:

@@ -70,11 +70,17 @@ def weighted_mean(models: Sequence[Arrays], weights: Sequence[float]) -> dict[st
     """
     if not models or len(models) != len(weights):
         raise ValueError(f"need one weight per model, got {len(models)} models and {len(weights)} weights")
+    w = normalised_weights(weights)
+    return {k: sum(wi * np.asarray(m[k], np.float64) for wi, m in zip(w, models)) for k in models[0]}
+
+
+def normalised_weights(weights: Sequence[float]) -> np.ndarray:
+    """``w / sum(w)`` in float64, as :func:`weighted_mean` weights its models (``ValueError`` for a negative,
+    non-finite or all-zero weight)."""
     w = np.asarray(weights, np.float64)
     if np.any(w < 0) or not np.isfinite(w).all() or w.sum() <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
-    w = w / w.sum()
-    return {k: sum(wi * np.asarray(m[k], np.float64) for wi, m in zip(w, models)) for k in models[0]}
+    return w / w.sum()
 
 
 def coordinate_median(models: Sequence[Arrays]) -> dict[str, np.ndarray]:

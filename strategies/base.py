@@ -36,6 +36,12 @@ capability                    meaning
                               cohort (a grid view without nodes: nothing is sent) and ``aggregate_train``
                               with the valid replies however few (``min_replies`` does not apply), none
                               included.
+:class:`AggregatesStacked`   ``aggregate_stacked(server_round, stacked)``: ``aggregate_train`` for a cohort
+                              trained batched whose replies stayed stacked tensors on the device
+                              (``fedsim.messages.StackedReplies``), equal to ``aggregate_train`` of the
+                              per-client Messages; offered when ``takes_stacked()`` is True (FedAvg and the
+                              strategies whose aggregate is a server step on its weighted mean). Without it
+                              (wrappers, robust rules, a user's strategy) the loop hands it Messages.
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
                               strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
 ``releases``                  class attribute: what the strategy sends its clients and how it is computed
@@ -118,6 +124,15 @@ class ReleasesEveryRound(Protocol):
 
 
 @runtime_checkable
+class AggregatesStacked(Protocol):
+    """A strategy that can aggregate a cohort's stacked train replies without per-client Messages."""
+
+    def takes_stacked(self) -> bool: ...
+
+    def aggregate_stacked(self, server_round: int, stacked: Any) -> tuple[Any, MetricRecord | None]: ...
+
+
+@runtime_checkable
 class ReportsSummary(Protocol):
     """A strategy with something to say in summary.json."""
 
@@ -190,6 +205,12 @@ def releases_every_round(strategy: object) -> bool:
         inner = getattr(strategy, "strategy", None)
         strategy = inner if isinstance(inner, (Strategy, AsyncStrategy)) else None
     return False
+
+
+def takes_stacked(strategy: object) -> bool:
+    """True when the loop may hand ``strategy`` (the outermost, wrappers included) a cohort's train replies as
+    stacked tensors (:class:`AggregatesStacked`) instead of per-client Messages."""
+    return isinstance(strategy, AggregatesStacked) and bool(strategy.takes_stacked())
 
 
 def malicious_count(strategy: object, partition_ids: Iterable[int]) -> int | None:

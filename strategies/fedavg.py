@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
+from logging import INFO
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log as flwr_log
 
 from fedsim.strategies.aggregate import cast_like, weighted_mean
-from fedsim.strategies.records import reply_arrays, reply_metrics, to_record
+from fedsim.strategies.records import average_metrics, reply_arrays, reply_metrics, to_record
+
+if TYPE_CHECKING:
+    from fedsim.messages import StackedReplies
 
 log = logging.getLogger("fedsim")
 
@@ -21,7 +28,14 @@ class FedAvg(FlowerFedAvg):
     Flower's ``FedAvg`` with one change in ``aggregate_train``: the mean is taken in float64 and cast back
     to each array's own dtype (Flower's turns integer buffers such as BatchNorm's ``num_batches_tracked``
     into float64, which fedsim's reply screening would then reject next round). If every weight is 0 the
-    replies count equally. Subclasses replace ``combine`` (how models become one) and keep the rest.
+    replies count equally. Subclasses replace ``combine`` (how models become one), or only ``server_step``
+    (what the server does with the weighted mean: FedAvgM, FedOpt), and keep the rest.
+
+    ``aggregate_stacked`` is ``aggregate_train`` for a cohort the vectorized engine trained batched, whose
+    models stayed stacked on the device (``fedsim.messages.StackedReplies``): the weighted mean is taken there
+    and the result equals ``aggregate_train``'s of the per-client Messages (the same bits on the CPU). The loop
+    uses it when ``takes_stacked()``: for this class and the subclasses that keep its ``combine``,
+    ``aggregate_train`` and reply checks and declare only mean releases (``composition.releases``).
 
     Parameters
     ----------
@@ -34,8 +48,12 @@ class FedAvg(FlowerFedAvg):
     def combine(
         self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
     ) -> dict[str, np.ndarray]:
-        """The aggregate of the client models (float64); FedAvg: their weighted mean."""
-        return weighted_mean(models, weights)
+        """The aggregate of the client models (float64): ``server_step`` of their weighted mean."""
+        return self.server_step(weighted_mean(models, weights))
+
+    def server_step(self, mean: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The new global model from the clients' weighted mean (float64); FedAvg: the mean itself."""
+        return mean
 
     def _parse(self, replies: Iterable[Message]) -> tuple[list[Message], list[dict], list[float]]:
         """Valid replies, their arrays and their weights (uniform if they sum to 0)."""
@@ -57,3 +75,39 @@ class FedAvg(FlowerFedAvg):
         arrays = to_record(cast_like(self.combine(models, weights), models[0]))
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         return arrays, metrics
+
+    def takes_stacked(self) -> bool:
+        """True when ``aggregate_stacked`` equals this strategy's ``aggregate_train``: its class keeps
+        FedAvg's ``aggregate_train``, ``combine`` and reply checks, and releases only means."""
+        from fedsim.strategies import composition
+
+        cls = type(self)
+        own = all(getattr(cls, n) is getattr(FedAvg, n) for n in _STACKED_METHODS)
+        return own and all(r.kind == composition.MEAN for r in composition.releases(cls))
+
+    def aggregate_stacked(
+        self, server_round: int, stacked: StackedReplies
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of ``stacked.replies()``, without making them: the weighted mean where the
+        models are, then ``server_step`` and the metrics' aggregation."""
+        n = len(stacked)
+        if not n:
+            return None, None
+        key = self.weighted_by_key
+        if any(key not in m for m in stacked.metrics):  # Flower's checks say what is wrong
+            return self.aggregate_train(server_round, stacked.replies())
+        flwr_log(INFO, "%s: Received %s results and %s failures", "aggregate_train", n, 0)
+        weights = [float(m[key]) for m in stacked.metrics]
+        if sum(weights) <= 0:
+            log.warning("all replies have %s = 0; weighting them equally", key)
+            weights = [1.0] * n
+        arrays = to_record(cast_like(self.server_step(stacked.weighted_mean(weights)), stacked.dtypes()))
+        if self.train_metrics_aggr_fn is aggregate_metricrecords:  # Flower's default, over plain dicts
+            metrics = average_metrics(stacked.metrics, key)
+        else:
+            metrics = self.train_metrics_aggr_fn(stacked.metric_contents(), key)
+        return arrays, metrics
+
+
+# what aggregate_stacked stands in for: a subclass that replaces one of these aggregates per-client Messages
+_STACKED_METHODS = ("aggregate_train", "combine", "_parse", "_check_and_log_replies")

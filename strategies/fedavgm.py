@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -50,13 +50,10 @@ class FedAvgM(FedAvg):
         self.current = to_numpy(arrays)
         return super().configure_train(server_round, arrays, config, grid)
 
-    def combine(
-        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
-    ) -> dict[str, np.ndarray]:
-        """Weighted mean, then one momentum step from the current global model (updates the velocity)."""
+    def server_step(self, avg: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One momentum step from the current global model to the weighted mean ``avg`` (updates the velocity)."""
         if self.current is None:
             raise RuntimeError("FedAvgM.aggregate_train called before configure_train")
-        avg = super().combine(models, weights)
         floats = [k for k, a in self.current.items() if is_float(a)]
         x, self.velocity = momentum_step(
             {k: self.current[k] for k in floats},

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -61,13 +61,11 @@ class FedOpt(FedAvg):
         self.current = to_numpy(arrays)
         return super().configure_train(server_round, arrays, config, grid)
 
-    def combine(
-        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
-    ) -> dict[str, np.ndarray]:
-        """Weighted mean, then one adaptive step from the current global model (updates ``m`` and ``v``)."""
+    def server_step(self, avg: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One adaptive step from the current global model by ``avg - x`` (``avg``: the weighted mean; updates
+        ``m`` and ``v``)."""
         if self.current is None:
             raise RuntimeError(f"{type(self).__name__}.aggregate_train called before configure_train")
-        avg = super().combine(models, weights)
         floats = [k for k, a in self.current.items() if is_float(a)]
         x = {k: self.current[k] for k in floats}
         delta = {k: avg[k] - np.asarray(x[k], np.float64) for k in floats}

@@ -56,16 +56,16 @@ def test_resume_with_adaptive_clipping_and_accountant_is_bit_identical(tmp_path)
 def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     import fedsim.server as server
 
-    original = server.screen_replies
+    original = server._train_replies  # a round's replies, as Messages or stacked
     calls = {"n": 0}
 
-    def interrupt_in_round_3(replies, *rest):
+    def interrupt_in_round_3(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise KeyboardInterrupt
-        return original(replies, *rest)
+        return original(*args)
 
-    monkeypatch.setattr(server, "screen_replies", interrupt_in_round_3)
+    monkeypatch.setattr(server, "_train_replies", interrupt_in_round_3)
     summary = run_tiny(tmp_path / "run", "num_rounds=5", "checkpoint_every=0")
     assert summary["status"] == "interrupted" and summary["rounds_done"] == 2
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -73,7 +73,7 @@ def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert ckpt["round"] == 2 and len(ckpt["records"]) == 3
     assert (tmp_path / "run" / "model.pt").exists() and (tmp_path / "run" / "curves.png").exists()
-    monkeypatch.setattr(server, "screen_replies", original)
+    monkeypatch.setattr(server, "_train_replies", original)
     resumed = run_tiny(tmp_path / "resumed", "num_rounds=5", f"resume={tmp_path / 'run'}")
     assert resumed["rounds_done"] == 5 and resumed["status"] == "completed"
     assert [r["round"] for r in read_metrics(tmp_path / "resumed")] == [0, 1, 2, 3, 4, 5]
@@ -136,7 +136,7 @@ def test_ctrl_c_anywhere_in_a_round_resumes_bit_identical(tmp_path, monkeypatch,
         elif where == "server_eval":
             _evaluator_interrupted_at(m, 4)  # round 0, 1, 2 evaluated; round 3's evaluation interrupted
         else:
-            _interrupt_at(m, server, "screen_replies", 1)
+            _interrupt_at(m, server, "_train_replies", 1)
         summary = run_tiny(tmp_path / "part", *over)
     done = 0 if where == "round_1" else 2
     assert summary["status"] == "interrupted"

@@ -1057,10 +1057,14 @@ def test_duplicate_partitions_unknown_nodes_and_all_zero_examples_are_dropped():
 @pytest.mark.slow
 def test_a_run_with_a_garbled_reply_every_round_goes_on_and_counts_it(tmp_path, monkeypatch):
     """In the loop: one reply per round gets an extra metric key and bytes unlike its metadata; the round
-    aggregates the others and metrics.jsonl counts the failure."""
+    aggregates the others and metrics.jsonl counts the failure. (The replies are Messages here: a cohort
+    trained batched and aggregated stacked has no reply to garble.)"""
     from flwr.app import MetricRecord
 
     import fedsim.server as server
+    from fedsim.strategies import base
+
+    monkeypatch.setattr(base, "takes_stacked", lambda strategy: False)
 
     original = server.screen_replies
 

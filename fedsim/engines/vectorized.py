@@ -14,7 +14,10 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
    one backward for the cohort (clients are independent, so the gradient of the summed loss with respect to
    the stacked parameters is each client's own gradient), then the SGD update of ``torch.optim.SGD``
    written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``;
-4. reply: an ArrayRecord of each client's full weights and the ClientApp's metrics keys.
+4. reply: each client's full weights and the ClientApp's metrics keys, kept stacked on the device
+   (``fedsim.messages.StackedReplies``): ``send_and_receive_stacked`` hands them to a server loop whose
+   strategy aggregates them as they are (``fedsim.strategies.base.AggregatesStacked``); every other caller
+   gets one Flower reply Message per client, an ArrayRecord of its weights and a MetricRecord.
 
 Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps``, any ``batch_size``
 (0 = full batch), ``proximal-mu``. Run through the ordinary ClientApp (sequentially in this process)
@@ -33,6 +36,8 @@ import functools
 import gc
 import logging
 import os
+import time
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,7 +51,15 @@ from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.engines import dense, grouped
 from fedsim.engines.pool import PoolGrid
-from fedsim.messages import DRAW_INDEX_KEYS, global_state, parse_train, train_reply
+from fedsim.messages import (
+    DRAW_INDEX_KEYS,
+    StackedReplies,
+    TrainInstruction,
+    global_state,
+    parse_train,
+    train_metrics,
+)
+from fedsim.seeds import torch_generators
 from fedsim.tasks import CLASSIFICATION
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 
@@ -66,22 +79,61 @@ class _Client:
     msg: Message
     task: ClientTask
     start: dict[str, torch.Tensor]  # initial weights, by parameter name
-    batches: list[torch.Tensor] = field(default_factory=list)  # example indices of every step, in order
+    batches: Sequence[torch.Tensor] = field(default_factory=list)  # example indices of every step, in order
     proximal_mu: float = 0.0
+    ins: TrainInstruction | None = None
 
 
-def schedule(
-    n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None
-) -> list[torch.Tensor]:
-    """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them."""
+class Schedule(Sequence):
+    """The example indices of each local step (a sequence of index tensors), held as one tensor of every
+    step's indices in order (``order``) and the steps' lengths (``lens``)."""
+
+    __slots__ = ("order", "lens")
+
+    def __init__(self, order: torch.Tensor, lens: tuple[int, ...]) -> None:
+        self.order, self.lens = order, lens
+
+    def __len__(self) -> int:
+        return len(self.lens)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self.lens))[i]
+        start = _offsets(self.lens)[i]
+        return self.order[start : start + self.lens[i]]
+
+
+@functools.lru_cache(maxsize=1024)
+def _offsets(lens: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(v) for v in np.cumsum((0, *lens[:-1])))
+
+
+@functools.lru_cache(maxsize=4096)
+def _step_lens(n: int, bs: int, steps: int) -> tuple[int, ...]:
+    """The batch length of each of ``steps`` steps over ``n`` examples in batches of ``bs`` (a pass ends with
+    its partial batch)."""
+    one_pass = (bs,) * (n // bs) + ((n % bs,) if n % bs else ())
+    return (one_pass * -(-steps // len(one_pass)))[:steps]
+
+
+def _lens(batches) -> tuple[int, ...]:
+    """The length of each step's batch."""
+    return batches.lens if isinstance(batches, Schedule) else tuple(len(b) for b in batches)
+
+
+def schedule(n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None) -> Schedule:
+    """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them: one
+    ``randperm`` per pass over the data, split into batches, as many passes as the steps need."""
     bs = batch_size_for(n, cfg)
     steps = num_local_steps(n, cfg, max_steps)
-    out: list[torch.Tensor] = []
-    while len(out) < steps:
-        order = torch.randperm(n, generator=gen)  # one pass over the data
-        out.extend(order.split(bs))
-        del out[steps:]
-    return out
+    lens = _step_lens(n, bs, steps) if n > 0 and bs > 0 and steps > 0 else ()
+    total = sum(lens)
+    passes = [torch.randperm(n, generator=gen) for _ in range(-(-total // n) if total else 0)]
+    order = (
+        passes[0] if len(passes) == 1 else torch.cat(passes) if passes else torch.zeros(0, dtype=torch.long)
+    )
+    return Schedule(order[:total], lens)
 
 
 def unsupported(model: nn.Module, device: str, vmap_conv_cpu: bool) -> str | None:
@@ -141,14 +193,46 @@ class VectorizedGrid(PoolGrid):
         self._model_checks: dict[tuple, str | None] = {}  # (model id, device) -> why it cannot be batched
         self._fits: dict[str, int] = {}  # device -> the most clients per batch that did not run out of memory
 
+    def send_and_receive_stacked(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> tuple[list[Message], StackedReplies | None]:
+        """``send_and_receive``, keeping the replies of a cohort trained batched as stacked tensors.
+
+        ``([], stacked)`` when every message was trained batched (rows in message order), else
+        ``(replies, None)`` exactly as ``send_and_receive`` returns them.
+        """
+        messages = list(messages)
+        ids = list(self.push_messages(messages))
+        batch = [self._pending.pop(mid) for mid in ids]
+        done, parts = self._run_stacked(batch, None if timeout is None else time.monotonic() + timeout)
+        stacked = StackedReplies.concat(parts) if parts and not done and len(ids) == len(messages) else None
+        if stacked is not None and len(stacked) == len(ids):
+            row = {msg.metadata.message_id: i for i, msg in enumerate(stacked.messages)}
+            return [], stacked.take([row[mid] for mid in ids])
+        for part in parts:
+            done.update(_by_id(part))
+        return [done[mid] for mid in ids if mid in done], None
+
     def _run_batch(self, batch: list[Message], deadline: float | None) -> dict[str, Message]:
-        clients, rest = [], []
-        # strategies send one ArrayRecord object to the whole cohort: convert it once
-        starts: dict[int, tuple[ArrayRecord, dict]] = {}
-        for msg in batch:
-            c = self._prepare(msg, starts)
-            (rest if c is None else clients).append(msg if c is None else c)
-        done = super()._run_batch(rest, deadline)
+        done, parts = self._run_stacked(batch, deadline)
+        for part in parts:
+            done.update(_by_id(part))
+        return done
+
+    def _run_stacked(
+        self, batch: list[Message], deadline: float | None
+    ) -> tuple[dict[str, Message], list[StackedReplies]]:
+        """Run ``batch``: the replies of the messages run through the ClientApp (by message id), and the
+        stacked replies of those trained batched."""
+        # strategies send one RecordDict (config, ArrayRecord) to the whole cohort: read and convert it once
+        shared: dict[tuple, tuple] = {}
+        prepared = [(msg, self._prepare(msg, shared)) for msg in batch]
+        todo = [c for _, c in prepared if c is not None]
+        rows = [c.ins.generator_row(c.task.seed, c.task.partition_id) for c in todo]
+        for c, gen in zip(todo, torch_generators(rows)):  # the cohort's seeds computed together
+            c.batches = schedule(int(c.task.x_train.shape[0]), c.task.local, gen, c.ins.max_steps)
+        clients = [c for _, c in prepared if c is not None and c.batches]
+        done = super()._run_batch([msg for msg, c in prepared if c is None or not c.batches], deadline)
         groups: dict[tuple, list[_Client]] = {}
         for c in clients:
             groups.setdefault((id(c.task.model), c.task.local, c.task.device, c.proximal_mu), []).append(c)
@@ -160,17 +244,19 @@ class VectorizedGrid(PoolGrid):
                 results = list(pool.map(self._attempt, items))
         else:
             results = [self._attempt(item) for item in items]
-        for (_, group), replies, why in results:
-            if replies is not None:
-                done.update(replies)
+        parts: list[StackedReplies] = []
+        for (_, group), stacked, why in results:
+            if stacked is not None:
+                parts.extend(stacked)
                 continue
             # outside the except block, so that the failed batch's tensors are freed before the ClientApp runs
             log.warning("vectorized training failed (%s); running %d clients sequentially", why, len(group))
             done.update(super()._run_batch([c.msg for c in group], deadline))
-        return done
+        return done, parts
 
     def _attempt(self, item: tuple) -> tuple:
-        """Batched training of one group: ``(item, replies, None)``, or ``(item, None, why)`` when it failed."""
+        """Batched training of one group: ``(item, stacked replies, None)``, or ``(item, None, why)`` when it
+        failed."""
         (_, local, device, mu), group = item
         try:
             return item, self._train(group, local, device, mu), None
@@ -182,22 +268,20 @@ class VectorizedGrid(PoolGrid):
             self._reported.add(reason)
             log.info("vectorized engine: running train messages through the ClientApp: %s", reason)
 
-    def _prepare(self, msg: Message, starts: dict) -> _Client | None:
-        """The batched-training view of a train message, or None to run it through the ClientApp."""
+    def _prepare(self, msg: Message, shared: dict) -> _Client | None:
+        """The batched-training view of a train message, or None to run it through the ClientApp.
+
+        ``shared`` holds what the batch's messages share, read once: per RecordDict object, its instruction;
+        per ArrayRecord object, its start model.
+        """
         if msg.metadata.message_type != MessageType.TRAIN or not msg.has_content():
             return None
         content = msg.content
-        cfg = content.get(keys.CONFIG)
-        arrays = content.get(keys.ARRAYS)
-        if cfg is None or arrays is None or not isinstance(cfg.get(keys.RUN_SPEC), str):
-            return None
-        ins = parse_train(cfg)
-        if ins.clip_norm is not None:
-            self._skip("client-side clipping (clip-norm)")
-            return None
-        extra = set(cfg.keys()) - IMPLEMENTS
-        if extra:  # unknown to fedsim, or known to the parser (a user's setting) but not implemented here
-            self._skip(f"train config keys it does not implement: {', '.join(sorted(extra))}")
+        key = ("content", id(content))
+        if key not in shared:
+            shared[key] = (content, *self._instruction(content))
+        _, arrays, ins, extra = shared[key]
+        if ins is None:
             return None
         pid = self.partition_of(msg.metadata.dst_node_id)
         try:
@@ -207,7 +291,7 @@ class VectorizedGrid(PoolGrid):
         reason = None
         if task.algorithm is not None and not task.algorithm.batched:
             reason = f"client algorithm {type(task.algorithm).__name__}"
-        elif any(name != keys.ARRAYS for name in content.array_records):
+        elif extra:
             reason = "extra arrays in the train message"
         elif task.faults is not None:
             reason = "injected faults"
@@ -223,43 +307,58 @@ class VectorizedGrid(PoolGrid):
         if reason is not None:
             self._skip(reason)
             return None
-        if id(arrays) not in starts:  # parsed once per record (shared with the server's evaluation)
-            starts[id(arrays)] = (arrays, global_state(arrays), {})
-        _, start, fits = starts[id(arrays)]
+        key = ("start", id(arrays))
+        if key not in shared:  # parsed once per record (shared with the server's evaluation)
+            shared[key] = (arrays, global_state(arrays), {})
+        _, start, fits = shared[key]
         if id(task.model) not in fits:
             shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
             fits[id(task.model)] = {n: tuple(t.shape) for n, t in start.items()} == shapes
         if not fits[id(task.model)]:
             return None  # the ClientApp's strict load reports the mismatch
-        batches = schedule(
-            int(task.x_train.shape[0]), task.local, ins.generator(task.seed, task.partition_id), ins.max_steps
-        )
-        if not batches:
-            return None
-        return _Client(msg, task, start, batches, ins.proximal_mu)
+        return _Client(msg, task, start, proximal_mu=ins.proximal_mu, ins=ins)  # its schedule comes next
+
+    def _instruction(self, content) -> tuple[ArrayRecord | None, TrainInstruction | None, bool]:
+        """A train message's start model, instruction (None when no client of it can be trained batched), and
+        whether it holds arrays besides the model."""
+        cfg = content.get(keys.CONFIG)
+        arrays = content.get(keys.ARRAYS)
+        if cfg is None or arrays is None or not isinstance(cfg.get(keys.RUN_SPEC), str):
+            return None, None, False
+        ins = parse_train(cfg)
+        if ins.clip_norm is not None:
+            self._skip("client-side clipping (clip-norm)")
+            return None, None, False
+        extra = set(cfg.keys()) - IMPLEMENTS
+        if extra:  # unknown to fedsim, or known to the parser (a user's setting) but not implemented here
+            self._skip(f"train config keys it does not implement: {', '.join(sorted(extra))}")
+            return None, None, False
+        return arrays, ins, any(name != keys.ARRAYS for name in content.array_records)
 
     def _train(
         self, clients: list[_Client], local: LocalTraining, device: str, mu: float
-    ) -> dict[str, Message]:
-        """Train ``clients`` (same model, optimiser and mu) batched; replies keyed by message id."""
+    ) -> list[StackedReplies]:
+        """Train ``clients`` (same model, optimiser and mu) batched; their replies, stacked, a part per batch."""
         buckets: dict[int, list[_Client]] = {}
         for c in clients:
-            buckets.setdefault(max(len(b) for b in c.batches).bit_length(), []).append(c)
+            buckets.setdefault(max(_lens(c.batches)).bit_length(), []).append(c)
         threads = torch.get_num_threads()
         torch.set_num_threads(self._threads)
         try:
-            done = {}
+            done = []
             for members in buckets.values():
                 members.sort(key=lambda c: -len(c.batches))  # the active clients of any step are a prefix
                 start = 0
                 while start < len(members):
                     size = self._chunk(members[start:], local, device, mu)
                     chunk = members[start : start + size]
-                    replies = _try_bucket(chunk, local, device, mu)
-                    if replies is None:  # out of memory: the next try is a smaller chunk
+                    stacked = _try_bucket(chunk, local, device, mu)
+                    if stacked is None:  # out of memory: the next try is a smaller chunk
                         self._shrink(device, len(chunk))
                         continue
-                    done.update(replies)
+                    if len(chunk) < len(clients) and torch.device(device).type == "cuda":
+                        stacked = stacked.to("cpu")  # the next batches need the GPU's memory
+                    done.append(stacked)
                     start += len(chunk)
             return done
         finally:
@@ -303,7 +402,7 @@ class VectorizedGrid(PoolGrid):
 
 def _try_bucket(
     members: list[_Client], local: LocalTraining, device: str, mu: float
-) -> dict[str, Message] | None:
+) -> StackedReplies | None:
     """``_train_bucket``, or None when it runs out of memory (with the memory it held released)."""
     try:
         return _train_bucket(members, local, device, mu)
@@ -352,7 +451,7 @@ def estimate_bytes(
     model: nn.Module, x: torch.Tensor, members: list[_Client], local: LocalTraining, mu: float
 ) -> int:
     """Peak bytes one more client adds to a batched step (:func:`client_bytes`, at the cohort's batch width)."""
-    width = max((len(c.batches[0]) for c in members if c.batches), default=1)
+    width = max((_lens(c.batches)[0] for c in members if c.batches), default=1)
     return client_bytes(model, x[0] if x.shape[0] else None, local, width, mu)
 
 
@@ -394,19 +493,24 @@ def cohort_batches(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cohort's data in one tensor, and the gather index and loss weight of every (step, client, slot):
     ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``."""
-    offsets = np.cumsum([0] + [int(c.task.x_train.shape[0]) for c in members])
+    sizes = [int(c.task.x_train.shape[0]) for c in members]
     x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
     y = torch.cat([c.task.y_train for c in members])
-    t_all, i_all, s_all, v_all, w_all = [], [], [], [], []
-    for i, c in enumerate(members):
-        step, slot, w = _slots(tuple(len(b) for b in c.batches))
+    t_all, s_all, v_all, w_all, counts = [], [], [], [], []
+    for c in members:
+        step, slot, w = _slots(_lens(c.batches))
         t_all.append(step)
         s_all.append(slot)
         w_all.append(w)
-        i_all.append(torch.full_like(step, i))
-        v_all.append(torch.cat(c.batches).cpu() + int(offsets[i]))
-    where = (torch.cat(t_all), torch.cat(i_all), torch.cat(s_all))
-    gather = torch.zeros(steps, len(members), width, dtype=torch.long).index_put_(where, torch.cat(v_all))
+        counts.append(len(step))
+        v_all.append(c.batches.order if isinstance(c.batches, Schedule) else torch.cat(list(c.batches)))
+    counts = torch.tensor(counts)
+    clients = torch.repeat_interleave(torch.arange(len(members)), counts)
+    shift = torch.repeat_interleave(torch.tensor(np.cumsum([0, *sizes[:-1]])), counts)
+    where = (torch.cat(t_all), clients, torch.cat(s_all))
+    gather = torch.zeros(steps, len(members), width, dtype=torch.long).index_put_(
+        where, torch.cat(v_all).cpu() + shift
+    )
     weight = torch.zeros(steps, len(members), width, dtype=x.dtype).index_put_(
         where, torch.cat(w_all).to(x.dtype)
     )
@@ -427,23 +531,27 @@ def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict
     return {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}
 
 
-def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> dict[str, Message]:
-    """Batched local training of clients sorted by step count (descending); replies keyed by message id."""
+def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> StackedReplies:
+    """Batched local training of clients sorted by step count (descending); their replies, stacked (rows in
+    ``members`` order, models on ``device``)."""
     names = [n for n, _ in members[0].task.model.named_parameters()]
     params, losses = train_stacked(members, local, device, mu)
-    final = {n: params[n].detach().cpu() for n in names}  # one copy off the device for the whole cohort
-    replies = {}
-    for i, c in enumerate(members):
-        replies[c.msg.metadata.message_id] = train_reply(
-            c.msg,
-            {n: final[n][i] for n in names},
+    metrics = [
+        train_metrics(
             num_examples=int(c.task.x_train.shape[0]),
             loss=losses[i] / len(c.batches),
             partition_id=c.task.partition_id,
             steps=len(c.batches),
-            examples_processed=sum(len(b) for b in c.batches),
+            examples_processed=sum(_lens(c.batches)),
         )
-    return replies
+        for i, c in enumerate(members)
+    ]
+    return StackedReplies([c.msg for c in members], {n: params[n].detach() for n in names}, metrics)
+
+
+def _by_id(stacked: StackedReplies) -> dict[str, Message]:
+    """The Flower replies of stacked replies, keyed by the id of the message each answers."""
+    return {msg.metadata.message_id: rep for msg, rep in zip(stacked.messages, stacked.replies())}
 
 
 # Capture a cohort's SGD step as a CUDA graph where shapes repeat (see train_stacked). Measured on an H200
@@ -471,7 +579,7 @@ def train_stacked(
     learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
     names = [n for n, _ in model.named_parameters()]
     k_all, steps = len(members), len(members[0].batches)
-    width = max(len(b) for c in members for b in c.batches)
+    width = max(max(_lens(c.batches)) for c in members)
     active = [sum(len(c.batches) > t for c in members) for t in range(steps)]
     x, y, gather, weight = cohort_batches(members, steps, width, device)
     params = _stack_starts(members, names, device)  # (clients, *shape)

@@ -1,0 +1,276 @@
+"""The device-resident cohort path: a cohort trained batched keeps its replies as stacked tensors, and the
+strategies with a batched form (``aggregate_stacked``) aggregate them with the result of their per-client form."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
+
+from fedsim import build, comm, keys, seeds
+from fedsim.engines.vectorized import VectorizedGrid
+from fedsim.grid_utils import SampledGrid, screen_replies, screen_stacked
+from fedsim.messages import StackedReplies, array_record, device_mean
+from fedsim.seeds import torch_generator, torch_generators
+from fedsim.strategies import base
+from fedsim.strategies.aggregate import weighted_mean
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.records import average_metrics, to_record
+
+BATCHED_FORM = ["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"]
+PER_CLIENT_ONLY = ["fedmedian", "fedtrimmedavg", "krum", "fednova", "feddyn", "scaffold"]
+
+
+def _stacked(k: int, seed: int = 0, **bad) -> StackedReplies:
+    """``k`` rows of a small model's parameters with fedsim's train metrics, answering real train messages."""
+    gen = torch.Generator().manual_seed(seed)
+    arrays = {
+        "0.weight": torch.randn(k, 5, 3, generator=gen),
+        "0.bias": torch.randn(k, 5, generator=gen),
+        "scale": torch.randn(k, generator=gen),  # a 0-d parameter
+    }
+    grid = VectorizedGrid(8)
+    content = RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: "{}"})})
+    msgs = [grid.create_message(content, MessageType.TRAIN, i + 1, "") for i in range(k)]
+    metrics = [
+        {
+            keys.NUM_EXAMPLES: int(n),
+            keys.TRAIN_LOSS: float(loss),
+            keys.PARTITION_ID: i,
+            keys.NUM_STEPS: 3,
+            keys.EXAMPLES_PROCESSED: 3 * int(n),
+        }
+        for i, (n, loss) in enumerate(
+            zip(torch.randint(1, 500, (k,), generator=gen), torch.rand(k, generator=gen))
+        )
+    ]
+    for row in bad.get("nan_rows", ()):
+        arrays["0.bias"][row, 2] = float("nan")
+    for row in bad.get("inf_loss_rows", ()):
+        metrics[row][keys.TRAIN_LOSS] = float("inf")
+    return StackedReplies(msgs, arrays, metrics)
+
+
+@pytest.mark.parametrize("k", [1, 2, 7, 23])
+def test_the_stacked_mean_is_fedavgs_mean_bit_for_bit(k):
+    stacked = _stacked(k, seed=k)
+    weights = [float(m[keys.NUM_EXAMPLES]) for m in stacked.metrics]
+    rows = [{n: t[i].numpy() for n, t in stacked.arrays.items()} for i in range(k)]
+    want = weighted_mean(rows, weights)
+    got = stacked.weighted_mean(weights)
+    assert got.keys() == want.keys()
+    for n in want:
+        assert got[n].dtype == np.float64 and np.array_equal(got[n], want[n]), n
+
+
+def test_the_mean_on_a_gpu_is_the_mean_to_float64_rounding():
+    stacked = _stacked(150, seed=3)  # more rows than one matrix product takes
+    w = np.random.default_rng(0).random(150)
+    for n, t in stacked.arrays.items():
+        want = weighted_mean([{n: t[i].numpy()} for i in range(150)], list(w))[n]
+        got = device_mean(t, w / w.sum()).numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_the_replies_it_stands_for_are_the_engines_and_sized_without_being_made():
+    stacked = _stacked(5)
+    replies = stacked.replies()
+    assert [r.metadata.reply_to_message_id for r in replies] == [
+        m.metadata.message_id for m in stacked.messages
+    ]
+    for i, rep in enumerate(replies):
+        assert dict(rep.content[keys.METRICS].items()) == stacked.metrics[i]
+        for n, t in stacked.arrays.items():
+            assert rep.content[keys.ARRAYS][n].data == array_record({n: t[i]})[n].data
+    assert comm.stacked_bytes(stacked) == comm.message_bytes(replies)
+
+
+def test_a_cohorts_generators_seeded_together_are_torch_generators():
+    rng = np.random.default_rng(0)
+    rows = [tuple(int(v) for v in r) for r in rng.integers(0, 2**32, size=(300, 4))]
+    rows += [tuple(int(v) for v in r) for r in rng.integers(0, 4, size=(50, 4))]
+    rows += [(0, 3, 0, 0), (2**32 - 1, 3, 2**32 - 1, 7), (5, 3, 1, 2, 9)]  # the last: five entries
+    assert len(rows[:-1]) >= seeds.TOGETHER
+    for row in [rows[:-1], [rows[-1]] * 20, [(2**40, 3, 1, 2)] + rows[:20], [(0, 3, 1)] * 20, rows[:3]]:
+        got = [g.initial_seed() for g in torch_generators(row)]
+        assert got == [torch_generator(*r).initial_seed() for r in row]
+    assert torch_generators([]) == []
+
+
+def test_average_metrics_is_flowers_aggregation():
+    rows = [
+        {"num-examples": n, "train_loss": loss, "partition-id": i, "steps": 3, "hist": [loss, 2.0 * i]}
+        for i, (n, loss) in enumerate([(10, 0.5), (7, 0.25), (31, 1.0 / 3.0)])
+    ]
+    want = aggregate_metricrecords(
+        [RecordDict({"metrics": m}) for m in map(_metric_record, rows)], "num-examples"
+    )
+    got = average_metrics(rows, "num-examples")
+    assert list(got.items()) == list(want.items())
+
+
+def _metric_record(row):
+    from flwr.app import MetricRecord
+
+    return MetricRecord(row)
+
+
+@pytest.mark.parametrize(
+    "a",
+    [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.arange(12, dtype=np.float64).reshape(3, 4).T,  # not C-contiguous
+        np.asfortranarray(np.ones((2, 3), np.float32)),
+        np.array(3.5),  # 0-d
+        np.zeros((0, 4), np.int64),
+        np.arange(5, dtype=np.int64),
+    ],
+)
+def test_to_record_writes_the_bytes_flower_writes(a):
+    from flwr.app import Array
+
+    got, want = to_record({"a": a})["a"], Array(np.array(a, order="C", copy=None))
+    assert (got.data, got.dtype, tuple(got.shape), got.stype) == (
+        want.data,
+        want.dtype,
+        tuple(want.shape),
+        want.stype,
+    )
+    assert np.array_equal(got.numpy(), a)
+
+
+def test_the_stacked_screen_drops_nonfinite_rows_as_the_message_screen_does():
+    stacked = _stacked(6, nan_rows=[1, 4], inf_loss_rows=[4, 5])
+    reference = array_record({n: t[0] for n, t in stacked.arrays.items()})
+    partitions = {i + 1: i for i in range(6)}
+    valid, failures = screen_stacked(stacked, reference, partitions)
+    want_valid, want_failures = screen_replies(stacked.replies(), reference, partitions)
+    assert failures == want_failures and len(failures) == 3
+    assert (
+        valid.partition_ids
+        == [int(r.content[keys.METRICS][keys.PARTITION_ID]) for r in want_valid]
+        == [0, 2, 3]
+    )
+    assert torch.equal(valid.arrays["0.weight"], stacked.arrays["0.weight"][[0, 2, 3]])
+
+
+def test_the_stacked_screen_leaves_what_it_does_not_check_to_the_message_screen():
+    stacked = _stacked(3)
+    reference = array_record({n: t[0] for n, t in stacked.arrays.items()})
+    assert screen_stacked(stacked, reference, {1: 0, 2: 1, 3: 2}) is not None
+    other = array_record({n: t[0, ..., :1] if t.dim() > 1 else t[0] for n, t in stacked.arrays.items()})
+    assert screen_stacked(stacked, other, None) is None  # shapes differ: the message screen names them
+    assert screen_stacked(stacked, reference, {1: 0, 2: 1, 3: 7}) is None  # a node's partition differs
+    for m in stacked.metrics:
+        m[keys.NUM_EXAMPLES] = 0
+    assert screen_stacked(stacked, reference, None) is None  # nothing to weight by
+
+
+@pytest.mark.parametrize("name", BATCHED_FORM + PER_CLIENT_ONLY)
+def test_which_strategies_take_stacked_replies(name):
+    cfg = compose_cfg("num_clients=6", f"strategy={name}")
+    strategy = build.build_strategy(cfg, 4)
+    assert base.takes_stacked(strategy) == (name in BATCHED_FORM)
+
+
+def test_wrappers_and_subclasses_that_change_the_aggregate_get_messages():
+    for over in (
+        ["clipping=fixed"],
+        ["compression=topk"],
+        ["attack=sign_flip"],
+        ["selection=power_of_choice"],
+    ):
+        assert not base.takes_stacked(build.build_strategy(compose_cfg("num_clients=6", *over), 4)), over
+
+    class Median(FedAvg):
+        def combine(self, models, weights):
+            return {k: np.median([m[k] for m in models], axis=0) for k in models[0]}
+
+    class Halved(FedAvg):
+        def server_step(self, mean):
+            return {k: v / 2 for k, v in mean.items()}
+
+    assert not base.takes_stacked(Median()) and base.takes_stacked(Halved())
+    assert base.takes_stacked(FedAvg()) and not base.takes_stacked(object())
+
+
+def _round_messages(strategy, grid, nodes, spec, arrays, rnd):
+    return list(
+        strategy.configure_train(rnd, arrays, ConfigRecord({keys.RUN_SPEC: spec}), SampledGrid(grid, nodes))
+    )
+
+
+@pytest.mark.parametrize("name", BATCHED_FORM)
+def test_each_batched_form_equals_its_per_client_form(name):
+    """Three rounds of a cohort trained batched: ``aggregate_stacked`` of the stacked replies and
+    ``aggregate_train`` of the Messages they stand for give the same bits (server state carried along)."""
+    cfg = compose_cfg("num_clients=6", f"strategy={name}")
+    spec = build.client_spec(cfg, "cpu")
+    arrays = ArrayRecord(build.build_initial_model(json.loads(spec)).state_dict())
+    stacked_side, message_side = build.build_strategy(cfg, 4), build.build_strategy(cfg, 4)
+    with VectorizedGrid(6, threads=1) as grid:
+        nodes = sorted(grid.get_node_ids())[1:5]
+        for rnd in range(1, 4):
+            msgs = _round_messages(stacked_side, grid, nodes, spec, arrays, rnd)
+            _round_messages(message_side, grid, nodes, spec, arrays, rnd)
+            replies, stacked = grid.send_and_receive_stacked(msgs)
+            assert replies == [] and len(stacked) == 4
+            got, got_metrics = stacked_side.aggregate_stacked(rnd, stacked)
+            want, want_metrics = message_side.aggregate_train(rnd, stacked.replies())
+            assert list(got.keys()) == list(want.keys())
+            for n in want:
+                assert got[n].dtype == want[n].dtype and got[n].data == want[n].data, (rnd, n)
+            assert dict(got_metrics.items()) == dict(want_metrics.items())
+            arrays = want
+
+
+def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gives():
+    cfg = compose_cfg("num_clients=6")
+    spec = build.client_spec(cfg, "cpu")
+    arrays = ArrayRecord(build.build_initial_model(json.loads(spec)).state_dict())
+    plain = RecordDict(
+        {keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec, "server-round": 1})}
+    )
+    odd = RecordDict(
+        {keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec, "server-round": 1, "mine": 1})}
+    )  # a key the batched path does not handle: this client goes through the ClientApp
+    with VectorizedGrid(6, threads=1) as a, VectorizedGrid(6, threads=1) as b:
+        make = [(plain, 1), (odd, 2), (plain, 3)]
+        replies, stacked = a.send_and_receive_stacked(
+            [a.create_message(c, MessageType.TRAIN, n, "") for c, n in make]
+        )
+        want = list(b.send_and_receive([b.create_message(c, MessageType.TRAIN, n, "") for c, n in make]))
+    assert stacked is None and [r.metadata.src_node_id for r in replies] == [1, 2, 3]
+    for got, ref in zip(replies, want):
+        assert dict(got.content[keys.METRICS].items()) == dict(ref.content[keys.METRICS].items())
+        for n, arr in ref.content[keys.ARRAYS].items():
+            assert got.content[keys.ARRAYS][n].data == arr.data
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedavgm", "fedadam"])
+def test_the_loop_on_stacked_replies_gives_the_run_of_per_client_messages(tmp_path, monkeypatch, name):
+    """engine=auto with the stacked path and with it turned off: the same metrics.jsonl (wall clock aside),
+    bytes up included, and the same model.pt, bit for bit."""
+    calls = []
+    original = FedAvg.aggregate_stacked
+
+    def counting(self, rnd, stacked):
+        calls.append(len(stacked))
+        return original(self, rnd, stacked)
+
+    over = [f"strategy={name}", "num_rounds=3"]
+    monkeypatch.setattr(FedAvg, "aggregate_stacked", counting)
+    run_tiny(tmp_path / "stacked", *over)
+    assert calls == [3, 3, 3]
+    monkeypatch.setattr(FedAvg, "takes_stacked", lambda self: False)
+    run_tiny(tmp_path / "messages", *over)
+    assert len(calls) == 3
+    a, b = read_metrics(tmp_path / "stacked"), read_metrics(tmp_path / "messages")
+    assert without_wall_time(a) == without_wall_time(b) and a[-1]["bytes_up"] > 0
+    ma, mb = torch.load(tmp_path / "stacked" / "model.pt"), torch.load(tmp_path / "messages" / "model.pt")
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
