@@ -14,7 +14,7 @@ from fedsim.config import flower_env
 flower_env()
 
 SERVICES_FILES = ("test_deploy.py", "test_sweepers.py", "test_bench_smoke.py", "test_ray_cluster.py")
-SERVICES_NAMES = re.compile(r"ray|sigterm|sigkill|signal|ctrl_c|interrupt")
+SERVICES_NAMES = re.compile(r"ray|simulation|sigterm|sigkill|signal|ctrl_c|interrupt")
 
 
 def services(nodeid: str) -> bool:
