@@ -1,4 +1,5 @@
-"""The composition root: the only module that turns config into objects (``hydra.utils.instantiate``).
+"""Instantiation helpers of the composition root (:mod:`fedsim.experiment`): the only module that turns config
+into objects (``hydra.utils.instantiate``).
 
 Everything below it takes plain typed arguments. What crosses a process boundary (to Ray actors or to
 SuperNodes) is the *client spec*: a JSON string of plain values, from which ``client_task`` rebuilds the

@@ -113,3 +113,28 @@ def test_the_app_bundle_holds_every_file_the_apps_run_and_nothing_else():
     assert tracked and set(tracked) <= names, sorted(set(tracked) - names)[:5]
     assert not {n for n in names if n.split("/")[0] in ("tests", "docs", "bench", "notebooks")}
     assert "LICENSE" in names
+
+
+def test_the_readmes_layout_names_every_module_script_and_notebook():
+    """README's Layout section names every module of fedsim/ and strategies/ (subpackages as ``name/``), every
+    bench script and every notebook, so a module added without a word in the docs fails here."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    block = text[text.index("## Layout\n\n```\n") :]
+    block = block[: block.index("```\n", 15)]
+    words = set(re.findall(r"[A-Za-z0-9_]+(?:\.py)?/?", block))
+    missing = []
+    for folder in ("fedsim", "strategies"):
+        for path in sorted((root / folder).rglob("*.py")):
+            rel = path.relative_to(root / folder)
+            if path.name != "__init__.py" and path.stem not in words and path.stem != "__main__":
+                missing.append(str(path.relative_to(root)))
+            if len(rel.parts) > 1 and f"{rel.parts[0]}/" not in words:
+                missing.append(f"{folder}/{rel.parts[0]}/")
+    missing += [f"bench/{p.name}" for p in sorted((root / "bench").glob("*.py")) if p.name not in words]
+    missing += [
+        f"notebooks/{p.stem}" for p in sorted((root / "notebooks").glob("*.ipynb")) if p.stem not in words
+    ]
+    assert not sorted(set(missing)), f"README Layout does not name: {sorted(set(missing))}"
