@@ -172,6 +172,14 @@ class PowerOfChoice(Strategy):
     def aggregate_train(self, server_round, replies):
         return self.strategy.aggregate_train(server_round, replies)
 
+    def takes_stacked(self) -> bool:
+        """The inner strategy's answer: selection picks the cohort and leaves its replies alone
+        (``fedsim.strategies.base.AggregatesStacked``)."""
+        return base.takes_stacked(self.strategy)
+
+    def aggregate_stacked(self, server_round, stacked):
+        return self.strategy.aggregate_stacked(server_round, stacked)
+
     def configure_evaluate(self, server_round, arrays, config, grid):
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
 

@@ -40,8 +40,9 @@ capability                    meaning
                               trained batched whose replies stayed stacked tensors on the device
                               (``fedsim.messages.StackedReplies``), equal to ``aggregate_train`` of the
                               per-client Messages; offered when ``takes_stacked()`` is True (FedAvg and the
-                              strategies whose aggregate is a server step on its weighted mean). Without it
-                              (wrappers, robust rules, a user's strategy) the loop hands it Messages.
+                              strategies whose aggregate is a server step on its weighted mean; selection's
+                              wrapper passes it on). Without it (the wrappers that touch replies, robust
+                              rules, a user's strategy) the loop hands it Messages.
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
                               strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
 ``releases``                  class attribute: what the strategy sends its clients and how it is computed

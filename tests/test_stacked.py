@@ -183,9 +183,14 @@ def test_wrappers_and_subclasses_that_change_the_aggregate_get_messages():
         ["clipping=fixed"],
         ["compression=topk"],
         ["attack=sign_flip"],
-        ["selection=power_of_choice"],
+        ["selection=power_of_choice", "attack=sign_flip"],
+        ["selection=power_of_choice", "strategy=fedmedian"],
     ):
         assert not base.takes_stacked(build.build_strategy(compose_cfg("num_clients=6", *over), 4)), over
+    # selection leaves the replies alone: it takes them stacked when the strategy it wraps does
+    assert base.takes_stacked(
+        build.build_strategy(compose_cfg("num_clients=6", "selection=power_of_choice"), 4)
+    )
 
     class Median(FedAvg):
         def combine(self, models, weights):
@@ -252,7 +257,9 @@ def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gi
             assert got.content[keys.ARRAYS][n].data == arr.data
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedavgm", "fedadam"])
+@pytest.mark.parametrize(
+    "name", ["fedavg", "fedprox", "fedavgm", "fedadam", "fedavg selection=power_of_choice"]
+)
 def test_the_loop_on_stacked_replies_gives_the_run_of_per_client_messages(tmp_path, monkeypatch, name):
     """engine=auto with the stacked path and with it turned off: the same metrics.jsonl (wall clock aside),
     bytes up included, and the same model.pt, bit for bit."""
@@ -263,7 +270,7 @@ def test_the_loop_on_stacked_replies_gives_the_run_of_per_client_messages(tmp_pa
         calls.append(len(stacked))
         return original(self, rnd, stacked)
 
-    over = [f"strategy={name}", "num_rounds=3"]
+    over = [f"strategy={name.split()[0]}", *name.split()[1:], "num_rounds=3"]
     monkeypatch.setattr(FedAvg, "aggregate_stacked", counting)
     run_tiny(tmp_path / "stacked", *over)
     assert calls == [3, 3, 3]
