@@ -381,3 +381,20 @@ def test_where_it_failed_names_the_users_line_through_wrappers(tmp_path, monkeyp
             raise InstantiationException("Error in call to target 'mycode.f'") from e
     except InstantiationException as e:
         assert where_it_failed(e) == f"{tmp_path / 'mycode.py'}:2: ZeroDivisionError: division by zero"
+
+
+def test_the_guides_capability_table_is_a_part_of_the_contract_written_in_strategies_base():
+    """The capability list is written once, in ``fedsim.strategies.base`` (every Protocol it defines is in its
+    table); docs/extending.md's table shows some of them, and each method it names is in that list."""
+    import inspect
+    from typing import Protocol
+
+    from fedsim.strategies import base
+
+    contract = base.__doc__
+    protocols = [n for n, c in vars(base).items() if inspect.isclass(c) and Protocol in c.__mro__[1:]]
+    assert protocols and all(f":class:`{n}`" in contract for n in protocols), protocols
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    table = guide[guide.index("| method | what fedsim does with it |") :].split("\n\n")[0]
+    methods = re.findall(r"^\| `([a-z_]+)\(", table, flags=re.M)
+    assert len(methods) >= 4 and all(f"``{m}(" in contract for m in methods), methods
