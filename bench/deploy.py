@@ -209,20 +209,20 @@ def run_wire(tmp: Path, timeout: float) -> None:
         f"bytes per round over {n} rounds ({WIRE_ROUNDS[1]} - {WIRE_ROUNDS[0]}); before: {before}; "
         f"after: {bench.machine_line()}"
     )
-    head = ("case", "recorded up", "replies wire", "ratio", "bodies", "requests")
-    print("{:<17}{:>12}{:>14}{:>7}{:>8}{:>10}".format(*head))
-    for name, up, _, w in rows:
+    # one table each way: the run's recorded bytes against the wire bytes of its replies / instructions
+    for col, kind, recorded, wire in (
+        (1, "reply", "recorded up", "replies wire"),
+        (2, "instruction", "recorded down", "instr. wire"),
+    ):
         print(
-            f"{name:<17}{up / n:>12.0f}{w['reply'] / n:>14.0f}{w['reply'] / up:>7.2f}"
-            f"{w['reply_body'] / up:>8.2f}{w['reply_requests'] / n:>10.1f}"
+            "{:<17}{:>14}{:>14}{:>7}{:>8}{:>10}".format("case", recorded, wire, "ratio", "bodies", "requests")
         )
-    head = ("case", "recorded down", "instr. wire", "ratio", "bodies", "requests")
-    print("{:<17}{:>14}{:>12}{:>7}{:>8}{:>10}".format(*head))
-    for name, _, down, w in rows:
-        print(
-            f"{name:<17}{down / n:>14.0f}{w['instruction'] / n:>12.0f}{w['instruction'] / down:>7.2f}"
-            f"{w['instruction_body'] / down:>8.2f}{w['instruction_requests'] / n:>10.1f}"
-        )
+        for row in rows:
+            name, rec, w = row[0], row[col], row[3]
+            print(
+                f"{name:<17}{rec / n:>14.0f}{w[kind] / n:>14.0f}{w[kind] / rec:>7.2f}"
+                f"{w[kind + '_body'] / rec:>8.2f}{w[kind + '_requests'] / n:>10.1f}"
+            )
     for name, up, down, w in rows:
         print(
             f"{name}: every byte per round, from the nodes {w['up'] / n:.0f} (recorded up {up / n:.0f}), to them "
