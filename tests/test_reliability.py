@@ -696,7 +696,9 @@ def test_a_sigkilled_ray_run_leaves_no_ray_process_behind_for_long(tmp_path):
 
 @pytest.mark.slow
 def test_a_second_run_aimed_at_a_live_runs_folder_is_refused_touching_nothing(tmp_path):
-    first = fedsim_cli("num_rounds=150", "quiet=true", "hydra.run.dir=shared", cwd=tmp_path, background=True)
+    # 5000 rounds: the first run is still live when the second starts, however fast the machine (150 rounds once
+    # ended before the second command had imported), and is stopped below
+    first = fedsim_cli("num_rounds=5000", "quiet=true", "hydra.run.dir=shared", cwd=tmp_path, background=True)
     run = tmp_path / "shared"
     for _ in range(1200):
         if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 3:
@@ -708,13 +710,15 @@ def test_a_second_run_aimed_at_a_live_runs_folder_is_refused_touching_nothing(tm
     lines = [ln for ln in second.stderr.splitlines() if ln.startswith("fedsim:")]
     assert len(lines) == 1 and "no other live fedsim run is writing to" in lines[0]
     assert {p.relative_to(run): p.read_bytes() for p in (run / ".hydra").iterdir()} == before
+    assert first.poll() is None  # untouched by the refused run, still training
+    first.send_signal(signal.SIGTERM)
     _, err = first.communicate(timeout=300)
-    assert first.returncode == 0, err
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["rounds_done"] == 150 and summary["config"]["seed"] == 0
-    assert [r["round"] for r in read_metrics(run)] == list(
-        range(151)
-    )  # every line whole, all the first run's
+    assert first.returncode == 143, err
+    summary = json.loads((run / "summary.json").read_text())  # the first run's, not the refused one's
+    assert summary["status"] == "interrupted" and summary["rounds_done"] >= 3
+    assert summary["config"]["num_rounds"] == 5000 and summary["config"]["seed"] == 0
+    rounds = [r["round"] for r in read_metrics(run)]
+    assert rounds == list(range(summary["rounds_done"] + 1))  # every line whole, all the first run's
 
 
 @pytest.mark.slow
