@@ -47,9 +47,9 @@ from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, unflatten
 from fedsim.strategies.records import reply_arrays, to_numpy, to_record
+from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
 
@@ -94,7 +94,7 @@ def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the wrapper
-class Attack(Strategy):
+class Attack(Wrapper):
     """Wrap a strategy; replace the attackers' updates by :meth:`craft`'s before the inner strategy aggregates.
 
     Parameters
@@ -108,16 +108,13 @@ class Attack(Strategy):
     """
 
     name = "none"
+    async_reason = "attacks wrap synchronous aggregation"
+    fold_order = 30  # outside clipping and compression: clipping sees the crafted updates
 
     def __init__(
         self, strategy: Strategy, fraction: float, num_clients: int, clients_per_round: int, seed: int
     ) -> None:
-        super().__init__()
-        if not isinstance(strategy, Strategy):
-            raise ConfigError(
-                "strategy", type(strategy).__name__, "a synchronous strategy (attacks wrap aggregation)"
-            )
-        self.strategy = strategy
+        super().__init__(strategy)
         self.fraction = number("fraction", fraction, 0.0, 1.0, hi_open=True)
         self.num_clients = integer("num_clients", num_clients, 1)
         self.clients_per_round = integer("clients_per_round", clients_per_round, 1)
@@ -147,10 +144,6 @@ class Attack(Strategy):
         return sum(int(p) in self.malicious for p in partition_ids)
 
     # ------------------------------------------------------------ Strategy interface
-    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int] | None:
-        """The inner strategy's cohort, or None to let the loop draw it."""
-        return base.sample_cohort(self.strategy, server_round, num_clients, clients_per_round)
-
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
@@ -181,36 +174,17 @@ class Attack(Strategy):
             out[i] = with_model(replies[i], cast_like({**arrays[i], **new}, arrays[i]))
         return self.strategy.aggregate_train(server_round, out)
 
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """The inner strategy's evaluation messages."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """The inner strategy's evaluation aggregate."""
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
     def summary(self) -> None:
         """Log the attack, then the inner strategy's summary."""
         log.info("attack %s: %d malicious clients %s", self.name, len(self.malicious), sorted(self.malicious))
         self.strategy.summary()
 
-    def summary_fields(self) -> dict[str, Any]:
-        """summary.json entries: the inner strategy's, the attack and its clients."""
+    def own_summary_fields(self) -> dict[str, Any]:
+        """summary.json entries: the attack and its clients."""
         return {
-            **base.summary_fields(self.strategy),
             "attack": self.name,
             "malicious_clients": sorted(self.malicious),
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner strategy's state (the attackers follow from the seed)."""
-        return base.inner_state(self.strategy)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.strategy = base.load_inner_state(self.strategy, state)
 
 
 def with_model(msg: Message, arrays: dict[str, np.ndarray]) -> Message:

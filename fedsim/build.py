@@ -528,7 +528,8 @@ LOOP_OWNED_STRATEGY_KEY = "fraction_evaluate"
 
 
 def build_strategy(cfg: DictConfig, clients_per_round: int):
-    """The server strategy from ``strategy=``, wrapped by ``clipping=`` when one is chosen.
+    """The server strategy from ``strategy=``, with the wrappers the config names folded around it
+    (:func:`wrapper_sections`: ``clipping=``, ``compression=``, ``attack=``, ``selection=``, a user's own).
 
     fedsim samples the cohort (and, with ``federated_eval``, the evaluators: ``strategy.fraction_evaluate`` of
     it, read by the loop alone) and hands the strategy a view holding only the sampled nodes, so the strategy
@@ -552,35 +553,18 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
             base.check_cohort(strategy, clients_per_round)
         except ConfigError as e:  # a strategy knob, or the run's own clients_per_round
             raise (e if e.key == "clients_per_round" else e.with_prefix("strategy")) from None
-    if cfg.clipping.get("_target_"):
-        strategy = _instantiate(
-            "clipping",
-            cfg.clipping,
-            strategy=strategy,
-            num_clients=int(cfg.num_clients),
-            clients_per_round=clients_per_round,
-            seed=int(cfg.seed),
-        )
-    if cfg.get("compression") is not None and cfg.compression.get("_target_"):
-        strategy = _instantiate("compression", cfg.compression, strategy=strategy)
-    if cfg.get("attack") is not None and cfg.attack.get("_target_"):  # outermost: clipping sees the attack
-        strategy = _instantiate(
-            "attack",
-            cfg.attack,
-            strategy=strategy,
-            num_clients=int(cfg.num_clients),
-            clients_per_round=clients_per_round,
-            seed=int(cfg.seed),
-        )
-    if cfg.get("selection") is not None and cfg.selection.get("_target_"):  # asked first for the cohort
-        strategy = _instantiate(
-            "selection",
-            cfg.selection,
-            strategy=strategy,
-            num_clients=int(cfg.num_clients),
-            clients_per_round=clients_per_round,
-            seed=int(cfg.seed),
-        )
+    run_values = {
+        "num_clients": int(cfg.num_clients),
+        "clients_per_round": clients_per_round,
+        "seed": int(cfg.seed),
+    }
+    for section, cls in wrapper_sections(cfg):  # innermost first: e.g. clipping sees the attack's updates
+        if base.is_async(strategy):
+            why, expected = cls.async_refusal(section, cfg[section], strategy)
+            raise composition.CompositionError(section, why, expected)
+        takes = set(_parameters(f"{cls.__module__}.{cls.__qualname__}"))
+        extra = {k: v for k, v in run_values.items() if k in takes}
+        strategy = _instantiate(section, cfg[section], strategy=strategy, **extra)
     return strategy
 
 
@@ -590,30 +574,40 @@ def _check_async(cfg: DictConfig, strategy) -> None:
         strategy.check_population(int(cfg.num_clients))
     except ConfigError as e:
         raise e.with_prefix("strategy") from None
-    if cfg.clipping.get("_target_"):  # from the strategy's declared releases
-        dp = float(cfg.clipping.get("noise_multiplier") or 0) > 0
-        why = composition.dp_refusal(strategy, frozenset(), dp=dp)
-        raise composition.CompositionError("clipping", why, composition.refusal_fix(why))
     if cfg.get("federated_eval"):
         raise ConfigError("federated_eval", True, "false with an asynchronous strategy")
-    if cfg.get("attack") is not None and cfg.attack.get("_target_"):
-        raise ConfigError(
-            "attack",
-            cfg.attack._target_.rsplit(".", 1)[-1],
-            "none with an asynchronous strategy (attacks wrap synchronous aggregation)",
-        )
-    if cfg.get("selection") is not None and cfg.selection.get("_target_"):
-        raise ConfigError(
-            "selection",
-            cfg.selection._target_.rsplit(".", 1)[-1],
-            "uniform with an asynchronous strategy (it picks each next client itself)",
-        )
-    if cfg.get("compression") is not None and cfg.compression.get("_target_"):
-        raise ConfigError(
-            "compression",
-            cfg.compression._target_.rsplit(".", 1)[-1],
-            "none with an asynchronous strategy (the synchronous loop decodes the replies)",
-        )
+
+
+# Config sections whose ``_target_`` other builders instantiate: never a strategy wrapper.
+NOT_WRAPPERS = frozenset({"strategy", "heterogeneity", *CLIENT_SPEC_KEYS})
+
+
+def wrapper_sections(cfg: DictConfig) -> list[tuple[str, type]]:
+    """The config sections whose ``_target_`` is a strategy wrapper (``fedsim.strategies.wrapper.Wrapper``), with
+    their classes, innermost first: by the class's ``fold_order``, then in config order.
+
+    A user's feature needs no entry anywhere: its group's ``_target_`` names a ``Wrapper`` subclass.
+    """
+    from hydra.utils import get_object
+
+    from fedsim.strategies.wrapper import Wrapper
+
+    found = []
+    for i, section in enumerate(cfg):
+        node = cfg.get(section)
+        if section in NOT_WRAPPERS or not isinstance(node, DictConfig):
+            continue
+        target = node.get("_target_")
+        if not isinstance(target, str) or not target:
+            continue
+        try:
+            cls = get_object(target)
+        except Exception:
+            _instantiate(str(section), node)
+            raise
+        if isinstance(cls, type) and issubclass(cls, Wrapper):
+            found.append((cls.fold_order, i, str(section), cls))
+    return [(section, cls) for _, _, section, cls in sorted(found, key=lambda f: f[:2])]
 
 
 def build_heterogeneity(cfg: DictConfig, num_clients: int):

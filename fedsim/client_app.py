@@ -44,6 +44,7 @@ from fedsim.errors import ConfigError
 from fedsim.faults import SimulatedTimeout
 from fedsim.messages import global_state, incoming_arrays, parse_train, train_reply
 from fedsim.node_data import node_partition, node_task
+from fedsim.run_config import OVERRIDES
 from fedsim.tasks import CLASSIFICATION
 from fedsim.training import LocalTraining, evaluate, train_local
 
@@ -59,7 +60,6 @@ class SpecRefused(RuntimeError):
     """A message's run spec differs from the one the operator's run config composes: nothing is built."""
 
 
-OVERRIDES = "overrides"  # run_config key (fedsim.server_app.OVERRIDES): Hydra overrides, one string
 SPEC_FILE = "run-spec-{}.json"  # in a deployed node's cache-dir: the spec it derived for a run
 
 
@@ -76,7 +76,7 @@ def spec_from_overrides(overrides: str) -> str:
         The overrides do not compose (one line naming them).
     """
     from fedsim.build import bind_client_algorithm, build_strategy, client_spec
-    from fedsim.server_app import DeployConfigError, experiment_from
+    from fedsim.run_config import DeployConfigError, experiment_from
 
     try:  # the same composition and checks (unknown keys, bad syntax) as fedsim's ServerApp
         cfg, _, _ = experiment_from({OVERRIDES: overrides})

@@ -28,12 +28,11 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.attacks import with_model
 from fedsim.checks import integer, number
-from fedsim.errors import ConfigError
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, is_float
 from fedsim.strategies.records import reply_arrays, to_numpy
+from fedsim.strategies.wrapper import Wrapper
 
 KIND, RATIO, LEVELS = "compress", "compress-ratio", "compress-levels"  # train-config keys
 RESIDUAL = "compression/residual"  # the client's error-feedback state
@@ -114,14 +113,11 @@ def encode_reply(
 
 
 # ---------------------------------------------------------------- the server's side
-class _Compression(Strategy):
+class _Compression(Wrapper):
     """Ask clients to compress (config keys), decode their replies before the loop screens them."""
 
-    def __init__(self, strategy: Strategy) -> None:
-        super().__init__()
-        if not isinstance(strategy, Strategy):
-            raise ConfigError("strategy", type(strategy).__name__, "a synchronous strategy")
-        self.strategy = strategy
+    async_reason = "the synchronous loop decodes the replies"
+    fold_order = 20  # replies are decoded before the attack crafts from them and clipping clips them
 
     def settings(self) -> dict[str, Any]:
         """The train-config entries that ask for this compression."""
@@ -157,29 +153,8 @@ class _Compression(Strategy):
         config = ConfigRecord({**dict(config.items()), **self.settings()})
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(self, server_round, replies):
-        return self.strategy.aggregate_train(server_round, replies)
-
-    def configure_evaluate(self, server_round, arrays, config, grid):
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
-    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int] | None:
-        return base.sample_cohort(self.strategy, server_round, num_clients, clients_per_round)
-
-    def summary(self) -> None:
-        self.strategy.summary()
-
-    def summary_fields(self) -> dict[str, Any]:
-        return {**base.summary_fields(self.strategy), "compression": dict(self.settings())}
-
-    def state_dict(self) -> dict[str, Any]:
-        return base.inner_state(self.strategy)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.strategy = base.load_inner_state(self.strategy, state)
+    def own_summary_fields(self) -> dict[str, Any]:
+        return {"compression": dict(self.settings())}
 
 
 class TopK(_Compression):

@@ -22,9 +22,6 @@ FLOWER_ENV: Mapping[str, str] = {
     "RAY_USAGE_STATS_ENABLED": "0",
 }
 
-CONFIG_MODULE = "fedsim.conf"
-CONFIG_NAME = "config"
-
 
 def flower_env(environ: dict | None = None) -> dict:
     """Put :data:`FLOWER_ENV` into ``environ`` (default ``os.environ``) where not set already; return it."""
@@ -53,6 +50,8 @@ def compose(
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
+    from fedsim.override_check import CONFIG_MODULE, CONFIG_NAME, unknown_key
+
     if searchpath and any(o.startswith("hydra.searchpath=") for o in overrides):
         raise ValueError("give the search path once: searchpath=[...] or the override hydra.searchpath=[...]")
     overrides = (*overrides, *_searchpath_override(searchpath))
@@ -68,7 +67,6 @@ def compose(
                 config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=return_hydra_config
             )
     except HydraException:  # an unknown key or option: the one line the command line gives
-        from fedsim.cli import unknown_key
         from fedsim.errors import OverrideError
 
         GlobalHydra.instance().clear()

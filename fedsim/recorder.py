@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fedsim import schema
+from fedsim import progress, schema
 from fedsim.errors import ConfigError, critical, write_error
 from fedsim.figures import plot_curves
 from fedsim.tasks import CLASSIFICATION, Task
@@ -39,17 +39,6 @@ progress_log = logging.getLogger("fedsim.progress")
 progress_log.propagate = False
 LOCK_NAME = ".fedsim.lock"
 _HELD: dict[str, list] = {}  # run folder -> [lock file descriptor, users] held by this process
-
-
-def bar_shape() -> dict:
-    """tqdm's size arguments for stderr: its own (it follows the window) on a terminal with a size; a fixed
-    100x24 on one that reports none (a pseudo-terminal without a window), where tqdm would draw nothing."""
-    try:
-        size = os.get_terminal_size(sys.stderr.fileno())
-        sized = size.columns > 0 and size.lines > 0
-    except (OSError, ValueError, AttributeError):
-        sized = False
-    return {"dynamic_ncols": True} if sized else {"ncols": 100, "nrows": 24}
 
 
 def lock_run_folder(folder: str | Path, key: str = "hydra.run.dir") -> None:
@@ -215,16 +204,14 @@ class Recorder:
         except ImportError:  # a dependency, but a broken environment should still run: plain lines
             log.warning("no progress bar (tqdm cannot be imported): one line per round instead")
             return None
-        from fedsim import sweep
-
         done = self.records[-1][schema.ROUND] if self.records else 0
-        nested = sweep.LAST_SWEEP is not None and sweep.LAST_SWEEP.bar is not None  # below the sweep's bar
+        nested = progress.SWEEP_BAR is not None  # below the sweep's bar
         return tqdm(
             total=num_rounds,
             initial=done,
             unit="round",
             file=sys.stderr,
-            **bar_shape(),
+            **progress.bar_shape(),
             position=1 if nested else None,
             leave=not nested,
         )

@@ -18,7 +18,7 @@ candidate that does not answer in time is ranked last. ``d = clients_per_round``
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from fedsim.comm import message_bytes
 from fedsim.errors import ConfigError
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.strategies import base
+from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
 
@@ -96,7 +96,7 @@ def probe_losses(
 
 
 # ---------------------------------------------------------------- the wrapper
-class PowerOfChoice(Strategy):
+class PowerOfChoice(Wrapper):
     """Train the ``clients_per_round`` of ``d`` candidates with the highest local loss (see the module docstring).
 
     Parameters
@@ -113,6 +113,11 @@ class PowerOfChoice(Strategy):
 
     option_name = "power_of_choice"
     draws_cohort = "the cohort by probing candidates' losses"  # fedsim.strategies.composition
+    async_reason = "an asynchronous strategy picks each next client itself"
+    fold_order = 40  # outermost: asked first for the cohort
+    touches_replies = (
+        False  # it picks the cohort and leaves the replies alone: the stacked path passes through
+    )
 
     def __init__(
         self,
@@ -123,10 +128,7 @@ class PowerOfChoice(Strategy):
         seed: int,
         by_size: bool = True,
     ) -> None:
-        super().__init__()
-        if not isinstance(strategy, Strategy):
-            raise ConfigError("strategy", type(strategy).__name__, "a synchronous strategy")
-        self.strategy = strategy
+        super().__init__(strategy)
         self.num_clients = integer("num_clients", num_clients, 1)
         self.clients_per_round = integer("clients_per_round", clients_per_round, 1, self.num_clients)
         self.d = integer(
@@ -157,48 +159,11 @@ class PowerOfChoice(Strategy):
             return candidates
         return highest_loss(losses(candidates), clients_per_round)
 
-    # ------------------------------------------------------------ the inner strategy
-    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int] | None:
-        """The inner strategy's own cohort (None: this wrapper selects)."""
-        return base.sample_cohort(self.strategy, server_round, num_clients, clients_per_round)
-
-    def malicious_among(self, partition_ids: Iterable[int]) -> int | None:
-        """The inner attack's count (``attack=``), or None."""
-        return base.malicious_count(self.strategy, partition_ids)
-
-    def configure_train(self, server_round, arrays, config, grid):
-        return self.strategy.configure_train(server_round, arrays, config, grid)
-
-    def aggregate_train(self, server_round, replies):
-        return self.strategy.aggregate_train(server_round, replies)
-
-    def takes_stacked(self) -> bool:
-        """The inner strategy's answer: selection picks the cohort and leaves its replies alone
-        (``fedsim.strategies.base.AggregatesStacked``)."""
-        return base.takes_stacked(self.strategy)
-
-    def aggregate_stacked(self, server_round, stacked):
-        return self.strategy.aggregate_stacked(server_round, stacked)
-
-    def configure_evaluate(self, server_round, arrays, config, grid):
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round, replies):
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
     def summary(self) -> None:
         """Log the selection rule, then the inner strategy's summary."""
         log.info("power-of-choice selection: d=%d candidates per round, by_size=%s", self.d, self.by_size)
         self.strategy.summary()
 
-    def summary_fields(self) -> dict[str, Any]:
-        """summary.json entries: the inner strategy's and the selection rule."""
-        return {**base.summary_fields(self.strategy), "selection": f"power_of_choice(d={self.d})"}
-
-    def state_dict(self) -> dict[str, Any]:
-        """The inner strategy's state (the selection itself keeps none)."""
-        return base.inner_state(self.strategy)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.strategy = base.load_inner_state(self.strategy, state)
+    def own_summary_fields(self) -> dict[str, Any]:
+        """summary.json entries: the selection rule."""
+        return {"selection": f"power_of_choice(d={self.d})"}

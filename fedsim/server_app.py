@@ -38,79 +38,25 @@ from pathlib import Path
 
 from flwr.app import Context, Message
 from flwr.serverapp import Grid, ServerApp
-from omegaconf import DictConfig, open_dict
 
 from fedsim import keys
-from fedsim.config import compose
 from fedsim.errors import ConfigError
 from fedsim.grid_utils import GridView, push_and_pull
-
-OVERRIDES = "overrides"  # run_config key: Hydra overrides, one string
-OUT_DIR = "out-dir"  # run_config key: the run folder ("" = outputs/deploy-<timestamp>)
-NODES = "nodes"  # run_config key: the node binding file on the server ("" = none)
+from fedsim.run_config import (  # noqa: F401  (the run_config keys and helpers, re-exported)
+    NODES,
+    OUT_DIR,
+    OVERRIDES,
+    DeployConfigError,
+    binding_from,
+    compose_config,
+    default_out_dir,
+    experiment_from,
+    out_dir_from,
+    parse_overrides,
+)
 
 log = logging.getLogger("fedsim")
 app = ServerApp()
-
-
-class DeployConfigError(RuntimeError):
-    """A deployed run's configuration cannot be used; the message is one line for ``flwr ls``/``flwr log``."""
-
-
-def parse_overrides(text: str) -> list[str]:
-    """Split the ``overrides`` run_config string into Hydra overrides (shell-like quoting)."""
-    try:
-        return shlex.split(str(text))
-    except ValueError as e:  # unbalanced quotes
-        raise ConfigError(
-            OVERRIDES, text, "Hydra overrides separated by spaces, with balanced quotes", f"({e})."
-        ) from None
-
-
-def _config_source() -> tuple[str, str]:
-    """Where fedsim's YAML configs live: ``("dir", path)`` or ``("module", "fedsim.conf")``.
-
-    A deployed app runs from the unpacked Flower App bundle (FAB), where the configs sit in ``conf/`` next to
-    the ``fedsim`` package (the source layout; the installed package maps it to ``fedsim.conf``). Prefer that
-    copy so the configs always match the shipped code.
-    """
-    import fedsim
-
-    conf = Path(fedsim.__file__).resolve().parent.parent / "conf"
-    if (conf / "config.yaml").is_file():
-        return "dir", str(conf)
-    return "module", "fedsim.conf"
-
-
-def _one_line(exc: BaseException) -> str:
-    """Hydra's multi-line composition errors as one line (without the config search path)."""
-    text = str(exc).split("Config search path:")[0]
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    out = "; ".join(lines)
-    return out.replace(":;", ":")
-
-
-def compose_config(overrides: list[str]) -> tuple[DictConfig, dict]:
-    """Compose fedsim's config with ``overrides``; return it (without the ``hydra`` node) and the group choices.
-
-    Raises
-    ------
-    DeployConfigError
-        When Hydra cannot compose the config (unknown key or group option, bad override syntax).
-    """
-    from hydra.errors import HydraException
-
-    kind, where = _config_source()
-    try:
-        cfg = compose(*overrides, config_dir=where if kind == "dir" else None, return_hydra_config=True)
-    except HydraException as e:
-        raise DeployConfigError(
-            f"fedsim config error in overrides {' '.join(overrides)!r}: {_one_line(e)}"
-        ) from None
-    choices = {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
-    with open_dict(cfg):
-        del cfg["hydra"]
-    return cfg, choices
 
 
 REPLY_POLL = 0.1  # seconds between pulls while the server waits for replies (Flower's own Grid: 3 s)
@@ -178,51 +124,6 @@ class ReplyLog(GridView):
 
     def send_and_receive(self, messages, *, timeout=None):
         return push_and_pull(self, messages, timeout, REPLY_POLL)  # through push/pull: each is recorded
-
-
-def default_out_dir(now: float | None = None) -> Path:
-    """``outputs/deploy-<timestamp>`` (relative: resolved against the working directory)."""
-    return Path("outputs") / time.strftime("deploy-%Y-%m-%d_%H-%M-%S", time.localtime(now))
-
-
-def out_dir_from(run_config: dict) -> Path:
-    """The run folder named by ``out-dir`` in ``run_config``, or the default one."""
-    value = str(run_config.get(OUT_DIR, "") or "").strip()
-    return Path(value).expanduser() if value else default_out_dir()
-
-
-def binding_from(run_config: dict):
-    """The node binding named by ``nodes`` in ``run_config`` (None when empty).
-
-    Raises
-    ------
-    DeployConfigError
-        The file cannot be read or an entry is not a node identity (one line naming the file and entry).
-    """
-    from fedsim.deploy.nodes import BindingError, load_binding
-
-    value = str(run_config.get(NODES, "") or "").strip()
-    if not value:
-        return None
-    try:
-        return load_binding(value)
-    except BindingError as e:
-        raise DeployConfigError(f"fedsim config error: {e}") from None
-
-
-def experiment_from(run_config: dict) -> tuple[DictConfig, dict, Path]:
-    """Config, group choices and run folder of a deployed run, from its ``run_config``."""
-    try:
-        overrides = parse_overrides(run_config.get(OVERRIDES, ""))
-    except ConfigError as e:
-        raise DeployConfigError(f"fedsim config error: {e}") from None
-    from fedsim.cli import unknown_key
-
-    unknown = unknown_key(overrides)  # the same check, and hint, as on the fedsim command line
-    if unknown:
-        raise DeployConfigError(f"fedsim config error: {unknown}")
-    cfg, choices = compose_config(overrides)
-    return cfg, choices, out_dir_from(run_config)
 
 
 def server_app(

@@ -11,7 +11,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fedsim import schema
+from fedsim import progress, schema
 
 COLUMNS = (
     "job",
@@ -239,9 +239,7 @@ def sweep_bar(config: DictConfig):
         expected_jobs(config) if OmegaConf.select(config, "hydra.sweeper._target_") == BASIC_SWEEPER else None
     )
     total = len(jobs) if jobs else OmegaConf.select(config, "hydra.sweeper.n_trials", default=None)
-    from fedsim.recorder import bar_shape
-
-    return tqdm(total=total, unit="run", desc="sweep", position=0, file=sys.stderr, **bar_shape())
+    return tqdm(total=total, unit="run", desc="sweep", position=0, file=sys.stderr, **progress.bar_shape())
 
 
 class SweepSummary(Callback):
@@ -263,7 +261,7 @@ class SweepSummary(Callback):
         global LAST_SWEEP
         self.jobs, self.config, self.started = set(), config, time.time()
         LAST_SWEEP = self
-        self.bar = sweep_bar(config)
+        self.bar = progress.SWEEP_BAR = sweep_bar(config)
         if OmegaConf.select(config, "hydra.launcher._target_") != BASIC_LAUNCHER:
             STOP.arm(Path(config.hydra.sweep.dir))  # jobs in other processes: the parent must pass signals on
 
@@ -279,6 +277,7 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.bar is not None:
             bar, self.bar = self.bar, None
+            progress.SWEEP_BAR = None
             bar.close()
         self.summarise(config)
 

@@ -2,101 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from fedsim.checks import integer, number
-from fedsim.errors import ConfigError
+from fedsim.algorithms.base import LocalRun, LocalSGD
+from fedsim.local import (  # noqa: F401  (the settings and step arithmetic, re-exported for callers)
+    OPTIMIZERS,
+    LocalTraining,
+    batch_size_for,
+    examples_processed,
+    make_optimizer,
+    num_local_steps,
+    steps_within,
+)
+from fedsim.messages import TrainInstruction
 from fedsim.tasks import CLASSIFICATION, Task
-
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "asgd")
-
-
-@dataclass(frozen=True)
-class LocalTraining:
-    """How a client trains locally; one frozen copy travels with the run spec.
-
-    ``local_steps > 0`` overrides ``local_epochs``. ``batch_size = 0`` means full batch (FedSGD).
-    """
-
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    local_epochs: int = 1
-    local_steps: int = 0
-    batch_size: int = 32
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError("optimizer", self.optimizer, f"one of {', '.join(OPTIMIZERS)}")
-        number("lr", self.lr, 0.0, lo_open=True)
-        number("momentum", self.momentum, 0.0, 1.0, hi_open=True)
-        if self.optimizer == "nesterov" and not self.momentum > 0:
-            raise ConfigError("momentum", self.momentum, "a number in (0, 1) with client.optimizer=nesterov")
-        number("weight_decay", self.weight_decay, 0.0)
-        integer("batch_size", self.batch_size, 0, what="an integer >= 1, or 0 for full batch")
-        integer("local_steps", self.local_steps, 0)
-        if self.local_steps == 0:
-            integer("local_epochs", self.local_epochs, 1, what="an integer >= 1 (or set client.local_steps)")
-
-
-def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:
-    """Return the configured torch optimiser over ``params``."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer in ("momentum", "nesterov"):
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.optimizer == "nesterov",
-            weight_decay=cfg.weight_decay,
-        )
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "asgd":
-        # averaged SGD: plain SGD steps; train_local keeps the Polyak average of the iterates
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; allowed: {OPTIMIZERS}")
-
-
-def batch_size_for(n: int, cfg: LocalTraining) -> int:
-    """The batch size a client with ``n`` examples uses (``batch_size = 0``: full batch)."""
-    return n if cfg.batch_size <= 0 else min(cfg.batch_size, n)
-
-
-def num_local_steps(n: int, cfg: LocalTraining, max_steps: int | None = None) -> int:
-    """Number of optimiser steps a client with ``n`` examples takes (at most ``max_steps`` when given)."""
-    steps = cfg.local_steps if cfg.local_steps > 0 else cfg.local_epochs * -(-n // batch_size_for(n, cfg))
-    return steps if max_steps is None else min(steps, max(0, int(max_steps)))
-
-
-def examples_processed(n: int, cfg: LocalTraining, max_steps: int | None = None) -> int:
-    """Examples a client with ``n`` examples processes in local training (what ``train_local`` reports).
-
-    The server uses it to predict a task's simulated duration before sending it.
-    """
-    if n <= 0:
-        return 0
-    bs = batch_size_for(n, cfg)
-    steps = num_local_steps(n, cfg, max_steps)
-    per_pass = -(-n // bs)
-    return (steps // per_pass) * n + (steps % per_pass) * bs
-
-
-def steps_within(n: int, cfg: LocalTraining, examples: int) -> int:
-    """The most local steps whose examples processed stay within ``examples`` (FedProx partial work)."""
-    lo, hi = 0, num_local_steps(n, cfg)
-    while lo < hi:  # largest s with examples_processed(n, cfg, s) <= examples (monotone in s)
-        mid = (lo + hi + 1) // 2
-        if examples_processed(n, cfg, mid) <= examples:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def train_local(
@@ -118,9 +38,6 @@ def train_local(
     averaged SGD's Polyak-Ruppert average with ``asgd``. ``max_steps`` caps the steps (a client that must stop at
     a deadline and send the work it finished). The loss is ``run.task``'s (``task`` when no ``run`` is given).
     """
-    from fedsim.algorithms.base import LocalRun, LocalSGD
-    from fedsim.messages import TrainInstruction
-
     n = x.shape[0]
     bs = batch_size_for(n, cfg)
     steps = num_local_steps(n, cfg, max_steps)

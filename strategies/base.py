@@ -232,9 +232,9 @@ def select_cohort(
 
     ``losses(partition_ids)`` asks those clients for their local loss under the current global model.
     """
-    if isinstance(strategy, SelectsCohort):
+    if isinstance(strategy, SelectsCohort):  # a wrapper may answer None: no rule inside it selects either
         cohort = strategy.select_cohort(server_round, num_clients, clients_per_round, losses, sizes)
-        return sorted(int(p) for p in cohort)
+        return None if cohort is None else sorted(int(p) for p in cohort)
     return None
 
 

@@ -87,6 +87,7 @@ from fedsim.strategies.aggregate import (
     subtract,
 )
 from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy, to_record
+from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
 
@@ -131,7 +132,7 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     return str(value)
 
 
-class ClippingWrapper(Strategy):
+class ClippingWrapper(Wrapper):
     """Shared machinery of ``FixedClipping`` and ``AdaptiveClipping`` (see the module docstring).
 
     Declares (``fedsim.strategies.composition``) that in DP mode it privatises a mean of the clipped updates:
@@ -140,6 +141,7 @@ class ClippingWrapper(Strategy):
 
     # clip to C, fixed denominator m, noise std z C / m; a step-normalised strategy's updates divided by tau_i first
     privatises = frozenset({composition.MEAN, composition.NORMALISED})
+    fold_order = 10  # innermost: the attack, compression and selection around it are what it sees
     draws_cohort = "every cohort itself (DP's sampler is the one epsilon is accounted for)"
 
     def __init__(
@@ -160,9 +162,7 @@ class ClippingWrapper(Strategy):
         debug_metrics: bool = False,
         debug_noise_seed: bool = False,
     ) -> None:
-        super().__init__()
-        if not isinstance(strategy, Strategy):
-            raise ConfigError("strategy", type(strategy).__name__, "a flwr.serverapp.strategy.Strategy")
+        super().__init__(strategy)
         self.num_clients = integer("num_clients", num_clients, 1)
         if isinstance(clients_per_round, int) and clients_per_round > self.num_clients:
             raise ConfigError(
@@ -276,6 +276,13 @@ class ClippingWrapper(Strategy):
         self.error_replies = 0  # error replies received and not aggregated, over the run (Flower's own loop)
 
     # ---------------------------------------------------------------- privacy bookkeeping
+    @classmethod
+    def async_refusal(cls, section: str, node: Any, strategy: object) -> tuple[str, str]:
+        """From the asynchronous strategy's declared releases (``composition.dp_refusal``)."""
+        dp = float(node.get("noise_multiplier") or 0) > 0
+        why = composition.dp_refusal(strategy, frozenset(), dp=dp)
+        return why, composition.refusal_fix(why)
+
     @property
     def dp(self) -> bool:
         """True when Gaussian noise is added (DP mode)."""
@@ -472,16 +479,6 @@ class ClippingWrapper(Strategy):
         """Hook run after a released round with the not-clipped bits of its valid replies; its metrics."""
         return {}
 
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """The inner strategy's evaluation messages."""
-        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """The inner strategy's evaluation aggregate."""
-        return self.strategy.aggregate_evaluate(server_round, replies)
-
     def summary(self) -> None:
         """Log the clipping settings, then the inner strategy's summary."""
         log.info(
@@ -502,7 +499,7 @@ class ClippingWrapper(Strategy):
         )
         self.strategy.summary()
 
-    def summary_fields(self) -> dict[str, Any]:
+    def own_summary_fields(self) -> dict[str, Any]:
         """summary.json entries: the guarantee (epsilon, delta, accountant, sampling, adjacency); not the seed.
 
         ``epsilon`` (also written as ``final_epsilon``) is the accountant's total over every drawn round.

@@ -859,7 +859,7 @@ def fed(tmp_path_factory):
         # a second front, fedsim's Python fallback, on another port of the same SuperLink (the abuse probes)
         f.python_front = f"127.0.0.1:{free_port()}"
         c = [str(certs / x) for x in ("server.pem", "server.key", "ca.crt")]
-        cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", f.python_front]
+        cmd = [sys.executable, "-m", "fedsim.deploy.pyfront", "--listen", f.python_front]
         cmd += ["--upstream-port", str(f.internal_port), "--cert", c[0], "--key", c[1], "--ca", c[2]]
         f.spawn("front-python", [*cmd, "--limits", json.dumps(dataclasses.asdict(limits))])
         wait_for_superlink(f.python_front, 60, f.sec.ca)

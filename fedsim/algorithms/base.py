@@ -15,7 +15,7 @@ the local-training loop (``fedsim.training.train_local``) in this order for one 
    persistent state in ``run.state`` (saved by the ClientApp when ``stateful`` is set).
 
 The objective is the task's loss (cross-entropy) plus whatever the gradient hook adds. ``client=`` picks the
-optimiser settings (:class:`fedsim.training.LocalTraining`); ``client._target_`` the algorithm class (default
+optimiser settings (:class:`fedsim.local.LocalTraining`); ``client._target_`` the algorithm class (default
 :class:`LocalSGD`); a strategy names the algorithm its clients need (``client_algorithm``) and fedsim uses it.
 Keys of the ``client`` group that are not optimiser settings are the algorithm's own constructor parameters.
 """
@@ -29,9 +29,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedsim.local import LocalTraining
 from fedsim.messages import TrainInstruction
 from fedsim.tasks import CLASSIFICATION, Task
-from fedsim.training import LocalTraining
 
 
 @dataclass

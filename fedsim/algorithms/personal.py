@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedsim.algorithms.base import ClientAlgorithm, LocalRun
-from fedsim.training import batch_size_for
+from fedsim.local import batch_size_for
 
 DITTO_LAMBDA = "ditto-lambda"  # train-config key: Ditto's lambda
 FEDPER_LAYERS = (

@@ -11,7 +11,7 @@ Two implementations, the same rules:
 
 * nginx (``nginx_conf``), the default whenever ``nginx`` is installed: started in the foreground
   (``daemon off``) by ``fedsim.deploy``, stopped by its pid.
-* ``python -m fedsim.deploy.front``: a small threaded proxy in the standard library
+* ``python -m fedsim.deploy.pyfront``: a small threaded proxy in the standard library
   (``fedsim.deploy.pyfront``), a fallback for machines without nginx (trials, CI); fedsim says so when it
   uses it. Prefer nginx (or your own proxy with the same
   rules) for a long-lived server.
@@ -31,13 +31,10 @@ that stalls is cut off, and each client address gets at most ``Limits.rate`` req
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import pwd
 import re
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,38 +230,3 @@ http {{
     }}
 }}
 """
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedsim.deploy.front", description=__doc__.split("\n")[0])
-    p.add_argument("--listen", required=True, help="public HOST:PORT")
-    p.add_argument("--upstream-port", type=int, required=True, help="the SuperLink's port on 127.0.0.1")
-    p.add_argument("--cert", type=Path, help="TLS certificate served on the public side")
-    p.add_argument("--key", type=Path, help="its private key")
-    p.add_argument("--ca", type=Path, help="CA certificate to check the SuperLink's certificate with")
-    p.add_argument(
-        "--max-body", type=int, default=None, help="largest request body in bytes (default: body_limit())"
-    )
-    p.add_argument("--limits", default="{}", help="other Limits fields as JSON, e.g. '{\"rate\": 50}'")
-    p.add_argument(
-        "--count-file", type=Path, help="append each forwarded request's bytes here, one JSON line each"
-    )
-    a = p.parse_args(argv)
-    host, _, port = a.listen.rpartition(":")
-    if bool(a.cert) != bool(a.key) or bool(a.cert) != bool(a.ca):
-        p.error("give --cert, --key and --ca together (TLS), or none of them")
-    try:
-        given = json.loads(a.limits)
-        if a.max_body is not None:
-            given["max_body"] = a.max_body
-        limits = Limits(**given)
-    except (ValueError, TypeError) as e:
-        p.error(f"--limits: {e}")
-    from fedsim.deploy.pyfront import serve
-
-    serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca, limits, a.count_file)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

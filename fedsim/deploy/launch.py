@@ -455,7 +455,7 @@ class Federation:
         if front == "auto":
             front = "nginx" if front_mod.nginx_binary() else "python"
             if front == "python":
-                echo("# no nginx found: the public front is fedsim's Python fallback (fedsim.deploy.front)")
+                echo("# no nginx found: the public front is fedsim's Python fallback (fedsim.deploy.pyfront)")
         self.front = front
         self.isolation = isolation
         self.limits = limits or front_mod.Limits()
@@ -561,7 +561,7 @@ class Federation:
         """The command of the public front (nginx with a generated configuration, or the Python fallback)."""
         c = Path(self.sec.certs) if self.sec.tls else None
         if self.front == "python":
-            cmd = [sys.executable, "-m", "fedsim.deploy.front", "--listen", self.address]
+            cmd = [sys.executable, "-m", "fedsim.deploy.pyfront", "--listen", self.address]
             cmd += ["--upstream-port", str(self.internal_port), "--max-body", str(self.limits.max_body)]
             if self.limits != front_mod.Limits(max_body=self.limits.max_body):
                 cmd += ["--limits", json.dumps(dataclasses.asdict(self.limits))]
@@ -856,7 +856,7 @@ def stop_from_pidfile(workdir: str | Path, timeout: float = 15.0) -> list[int]:
             cmdline = "flower" if running(pid) else ""
         if not running(pid) or not any(
             w in cmdline
-            for w in ("flower", "nginx", "fedsim.deploy.front", "fedsim.deploy.warm", "fedsim.deploy.node")
+            for w in ("flower", "nginx", "fedsim.deploy.pyfront", "fedsim.deploy.warm", "fedsim.deploy.node")
         ):
             continue
         terminate([pid, *descendants(pid)], timeout)

@@ -1,4 +1,4 @@
-"""fedsim's Python front: the fallback for machines without nginx (``python -m fedsim.deploy.front``).
+"""fedsim's Python front: the fallback for machines without nginx (``python -m fedsim.deploy.pyfront``).
 
 The rules and limits are ``fedsim.deploy.front``'s (``allowed``, ``Limits``): a thread per connection, at
 most ``Limits.max_conn + 64`` of them; per client address a token bucket and a cap on requests in progress
@@ -16,6 +16,7 @@ and the bodies alone (the Fleet API's protobuf messages).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import http.client
 import http.server
@@ -334,3 +335,36 @@ def serve(
         flush=True,
     )
     server.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedsim.deploy.pyfront", description=__doc__.split("\n")[0])
+    p.add_argument("--listen", required=True, help="public HOST:PORT")
+    p.add_argument("--upstream-port", type=int, required=True, help="the SuperLink's port on 127.0.0.1")
+    p.add_argument("--cert", type=Path, help="TLS certificate served on the public side")
+    p.add_argument("--key", type=Path, help="its private key")
+    p.add_argument("--ca", type=Path, help="CA certificate to check the SuperLink's certificate with")
+    p.add_argument(
+        "--max-body", type=int, default=None, help="largest request body in bytes (default: body_limit())"
+    )
+    p.add_argument("--limits", default="{}", help="other Limits fields as JSON, e.g. '{\"rate\": 50}'")
+    p.add_argument(
+        "--count-file", type=Path, help="append each forwarded request's bytes here, one JSON line each"
+    )
+    a = p.parse_args(argv)
+    host, _, port = a.listen.rpartition(":")
+    if bool(a.cert) != bool(a.key) or bool(a.cert) != bool(a.ca):
+        p.error("give --cert, --key and --ca together (TLS), or none of them")
+    try:
+        given = json.loads(a.limits)
+        if a.max_body is not None:
+            given["max_body"] = a.max_body
+        limits = Limits(**given)
+    except (ValueError, TypeError) as e:
+        p.error(f"--limits: {e}")
+    serve(host.strip("[]"), int(port), a.upstream_port, a.cert, a.key, a.ca, limits, a.count_file)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

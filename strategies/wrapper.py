@@ -1,0 +1,151 @@
+"""One base for every feature that acts on a strategy's updates: clipping and DP, compression, an attack,
+client selection, or a user's own.
+
+A wrapper holds the strategy it wraps (``self.strategy``) and forwards every Flower method and every optional
+capability of :mod:`fedsim.strategies.base` to it; a feature overrides only what it changes. ``fedsim.build``
+folds the wrappers a run's config names around its strategy: every config group whose ``_target_`` is a
+:class:`Wrapper` subclass, innermost first by :attr:`Wrapper.fold_order`, so a new feature is a new class and a
+new config group (``fedsim +myfeature=on``), with no edit to the builder, the loops or the engines.
+
+A feature with a client half names it in :attr:`Wrapper.client_half` (a class path of
+``fedsim.algorithms.halves``' contract), the way a strategy names its client algorithm: the run's client spec
+carries it, and the ClientApp and the engines apply it around local training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+
+from fedsim.errors import ConfigError
+from fedsim.strategies import base
+
+
+class Wrapper(Strategy):
+    """A strategy around ``strategy``: everything forwarded, a subclass overrides what its feature changes.
+
+    Class attributes (declarations, read by ``fedsim.build`` and ``fedsim.strategies.composition``):
+
+    ``fold_order``
+        Where the fold puts it: a lower number sits closer to the strategy (clipping 10, compression 20,
+        attack 30, selection 40; a user's feature 50 unless it says otherwise).
+    ``touches_replies``
+        True (the default) when it reads or changes the replies before the strategy aggregates them; one that
+        leaves them alone (selection) passes the stacked cohort path on (``base.AggregatesStacked``).
+    ``client_half``
+        The class path of its client half (``fedsim.algorithms.halves.ClientHalf``), or None.
+    ``run_arguments``
+        The run's values it is built with besides its config: any of ``num_clients``, ``clients_per_round``,
+        ``seed`` (``fedsim.build`` passes those its constructor names).
+    """
+
+    fold_order: ClassVar[float] = 50
+    touches_replies: ClassVar[bool] = True
+    client_half: ClassVar[str | None] = None
+    wraps: ClassVar[str] = "synchronous aggregation"
+    async_reason: ClassVar[str] = (
+        "it wraps synchronous aggregation"  # why an asynchronous strategy is refused
+    )
+
+    @classmethod
+    def async_refusal(cls, section: str, node: Any, strategy: object) -> tuple[str, str]:
+        """Why it does not wrap the asynchronous ``strategy``, and what to choose instead (one line each)."""
+        from fedsim.strategies.composition import name_of, off_option
+
+        why = (
+            f"{section}={name_of(cls)} does not compose with strategy={name_of(strategy)}, an asynchronous "
+            f"strategy: {cls.async_reason}"
+        )
+        return why, f"{section}={off_option(section)} with an asynchronous strategy"
+
+    def __init__(self, strategy: Strategy) -> None:
+        super().__init__()
+        if not isinstance(strategy, Strategy):
+            raise ConfigError(
+                "strategy",
+                type(strategy).__name__,
+                f"a synchronous strategy ({type(self).__name__} wraps {self.wraps})",
+            )
+        self.strategy = strategy
+
+    # ------------------------------------------------------------ Flower's Strategy interface
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return self.strategy.aggregate_evaluate(server_round, replies)
+
+    def summary(self) -> None:
+        self.strategy.summary()
+
+    # ------------------------------------------------------------ fedsim's capabilities (strategies.base)
+    def check_cohort(self, clients_per_round: int) -> None:
+        base.check_cohort(self.strategy, clients_per_round)
+
+    def sample_cohort(self, server_round: int, num_clients: int, clients_per_round: int) -> list[int] | None:
+        """The inner strategy's own cohort, or None to let the loop draw it."""
+        return base.sample_cohort(self.strategy, server_round, num_clients, clients_per_round)
+
+    def select_cohort(
+        self, server_round, num_clients, clients_per_round, losses, sizes=None
+    ) -> list[int] | None:
+        """The inner selection rule's cohort, or None."""
+        return base.select_cohort(self.strategy, server_round, num_clients, clients_per_round, losses, sizes)
+
+    def decode_replies(self, replies: Iterable[Message], current: Any) -> list[Message]:
+        return base.decode_replies(self.strategy, list(replies), current)
+
+    def malicious_among(self, partition_ids: Iterable[int]) -> int | None:
+        """The inner attack's count, or None without one."""
+        return base.malicious_count(self.strategy, partition_ids)
+
+    @property
+    def releases_every_round(self) -> bool:
+        return base.releases_every_round(self.strategy)
+
+    def takes_stacked(self) -> bool:
+        """The inner strategy's answer when this wrapper leaves the replies alone; False when it touches them."""
+        return not self.touches_replies and base.takes_stacked(self.strategy)
+
+    def aggregate_stacked(self, server_round: int, stacked: Any) -> tuple[Any, MetricRecord | None]:
+        return self.strategy.aggregate_stacked(server_round, stacked)
+
+    def summary_fields(self) -> dict[str, Any]:
+        """The inner strategy's summary.json entries and this feature's (:meth:`own_summary_fields`)."""
+        return {**base.summary_fields(self.strategy), **self.own_summary_fields()}
+
+    def own_summary_fields(self) -> dict[str, Any]:
+        """This feature's summary.json entries (none by default)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner strategy's checkpoint entries (a feature with state of its own adds them)."""
+        return base.inner_state(self.strategy)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy = base.load_inner_state(self.strategy, state)
+
+
+def wrappers(strategy: object) -> list[Wrapper]:
+    """The wrappers around a strategy, outermost first."""
+    out = []
+    while isinstance(strategy, Wrapper):
+        out.append(strategy)
+        strategy = strategy.strategy
+    return out
