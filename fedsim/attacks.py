@@ -37,12 +37,12 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
+from fedsim.algorithms.halves import flip_labels  # noqa: F401  (the client half of label_flip)
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
 from fedsim.seeds import Purpose
@@ -53,7 +53,7 @@ from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
 
-LABEL_FLIP = "attack-label-flip"  # train-config key: the partition ids that train on flipped labels
+LABEL_FLIP = keys.LABEL_FLIP  # train-config key: the partition ids that train on flipped labels
 KNOWLEDGE = ("honest", "own")
 
 
@@ -88,12 +88,6 @@ def ipm(updates: np.ndarray, epsilon: float) -> np.ndarray:
     return -epsilon * updates.mean(axis=0)
 
 
-def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Labels ``C - 1 - y`` (a new tensor; ``y`` is left as it is)."""
-    return (num_classes - 1) - y
-
-
-# ---------------------------------------------------------------- the wrapper
 class Attack(Wrapper):
     """Wrap a strategy; replace the attackers' updates by :meth:`craft`'s before the inner strategy aggregates.
 
@@ -300,6 +294,7 @@ class LabelFlip(Attack):
     """
 
     name = "label_flip"
+    client_half = "fedsim.algorithms.halves.LabelFlip"
 
     def configure_train(self, server_round, arrays, config, grid):
         if self.malicious:

@@ -29,7 +29,6 @@ from fedsim.groups import typed
 from fedsim.models import build_model
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.strategies import base, composition
 from fedsim.training import LocalTraining
 
 # Config sections a client needs to rebuild its task; they travel as JSON in every train message.
@@ -113,6 +112,9 @@ def client_spec(cfg: DictConfig, device: str) -> str:
         for k in CLIENT_SPEC_KEYS
         if k in cfg
     }
+    halves = [cls.client_half for _, cls in wrapper_sections(cfg) if cls.client_half]
+    if halves:  # the client halves the run's features name (fedsim.algorithms.halves)
+        spec["halves"] = halves
     spec["device"] = device
     spec["threads"] = int(cfg.placement.threads_per_client)
     spec["deterministic"] = bool(cfg.placement.get("deterministic", False))
@@ -404,6 +406,8 @@ def bind_client_algorithm(spec: dict, strategy) -> None:
     """
     from hydra.utils import get_object
 
+    from fedsim.strategies import base, composition
+
     need = base.client_algorithm(strategy)
     chosen = spec["client"].get("_target_")
     if need is not None:
@@ -446,6 +450,12 @@ class ClientTask:
     algorithm: Any = None  # the client algorithm (fedsim.algorithms); None: built from the spec when needed
     task: Any = None  # the loss and metric (fedsim.tasks); None: classification
     num_classes: int | None = None  # the model's outputs (None: ask the run's data set)
+
+    def __post_init__(self) -> None:
+        if self.task is None:
+            from fedsim.tasks import CLASSIFICATION
+
+            self.task = CLASSIFICATION
 
 
 def fault_rates(spec: dict) -> FaultRates | None:
@@ -535,6 +545,8 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
     it, read by the loop alone) and hands the strategy a view holding only the sampled nodes, so the strategy
     is built to send to every node it is given.
     """
+    from fedsim.strategies import base, composition
+
     node = OmegaConf.to_container(cfg.strategy, resolve=True)
     node.pop(LOOP_OWNED_STRATEGY_KEY, None)
     strategy = _instantiate(

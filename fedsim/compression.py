@@ -17,99 +17,31 @@ loop decodes each reply back into a model, ``w_global + decode(...)``, before sc
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import Strategy
 
 from fedsim.attacks import with_model
 from fedsim.checks import integer, number
-from fedsim.seeds import Purpose
-from fedsim.seeds import rng as seeded_rng
+from fedsim.codecs import (  # noqa: F401  (the codecs, re-exported: this module is the feature's home)
+    _RAW,
+    KIND,
+    LEVELS,
+    RATIO,
+    RESIDUAL,
+    encode_reply,
+    qsgd,
+    qsgd_decode,
+    topk,
+    topk_decode,
+    wanted,
+)
 from fedsim.strategies.aggregate import cast_like, is_float
 from fedsim.strategies.records import reply_arrays, to_numpy
 from fedsim.strategies.wrapper import Wrapper
-
-KIND, RATIO, LEVELS = "compress", "compress-ratio", "compress-levels"  # train-config keys
-RESIDUAL = "compression/residual"  # the client's error-feedback state
-_RAW = "raw/"  # non-float arrays, sent as they are
-
-
-# ---------------------------------------------------------------- pure functions
-def topk(v: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Indices (int32, ascending) and values (float32) of the ``k`` largest-magnitude entries of ``v`` ``(d,)``."""
-    idx = np.sort(np.argsort(-np.abs(v), kind="stable")[:k]).astype(np.int32)
-    return idx, v[idx].astype(np.float32)
-
-
-def topk_decode(idx: np.ndarray, values: np.ndarray, d: int) -> np.ndarray:
-    """The dense ``(d,)`` vector holding ``values`` at ``idx`` and zeros elsewhere."""
-    out = np.zeros(d, np.float64)
-    out[idx.astype(np.int64)] = values
-    return out
-
-
-def qsgd(v: np.ndarray, s: int, rng: np.random.Generator) -> tuple[np.float32, np.ndarray]:
-    """QSGD's ``(|v|, signed levels in [-s, s])`` of ``v`` ``(d,)``; unbiased: ``E[decode] = v``.
-
-    The norm is sent as float32 rounded *up*, so that ``|v_i| / norm <= 1`` and no level exceeds ``s`` (rounded
-    to nearest it could fall below ``max |v_i|``, giving level ``s + 1``: 128 wraps to -128 in int8).
-    """
-    exact = np.linalg.norm(np.asarray(v, np.float64))
-    norm = np.float32(exact)
-    if norm < exact:
-        norm = np.nextafter(norm, np.float32(np.inf))
-    if norm == 0:
-        return norm, np.zeros(v.shape, np.int8 if s <= 127 else np.int32)
-    scaled = np.minimum(np.abs(v) / np.float64(norm) * s, s)  # in [0, s]
-    low = np.floor(scaled)
-    level = low + (rng.random(v.shape) < scaled - low)
-    return norm, (np.sign(v) * level).astype(np.int8 if s <= 127 else np.int32)
-
-
-def qsgd_decode(norm: float, levels: np.ndarray, s: int) -> np.ndarray:
-    """The ``(d,)`` vector ``|v| * levels / s``."""
-    return np.float64(norm) * levels.astype(np.float64) / s
-
-
-# ---------------------------------------------------------------- the client's side (fedsim's ClientApp)
-def wanted(unhandled: Mapping[str, Any]) -> bool:
-    """True when the train config asks this client to compress its update."""
-    return KIND in unhandled
-
-
-def encode_reply(
-    model: Mapping[str, torch.Tensor],
-    global_arrays: ArrayRecord,
-    config: Mapping[str, Any],
-    state: Mapping[str, np.ndarray],
-    seed: int,
-    index: int,
-    partition_id: int,
-) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
-    """The reply's arrays (the encoded update) and the client's new state entries (top-k's residual)."""
-    start = to_numpy(global_arrays)
-    floats = [k for k, a in start.items() if is_float(a)]
-    after = {k: v.detach().cpu().numpy() for k, v in model.items()}
-    d = np.concatenate([(after[k].astype(np.float64) - start[k]).ravel() for k in floats])  # (size,)
-    out = {_RAW + k: torch.as_tensor(np.ascontiguousarray(after[k])) for k in after if k not in floats}
-    kind = str(config[KIND])
-    if kind == "topk":
-        residual = np.asarray(state.get(RESIDUAL, np.zeros_like(d)), np.float64)
-        if residual.shape != d.shape:
-            residual = np.zeros_like(d)
-        corrected = d + residual
-        idx, values = topk(corrected, max(1, math.ceil(float(config[RATIO]) * d.size)))
-        out.update({"topk/idx": torch.from_numpy(idx), "topk/val": torch.from_numpy(values)})
-        return out, {RESIDUAL: corrected - topk_decode(idx, values, d.size)}
-    rng = seeded_rng(seed, Purpose.COMPRESSION, index, partition_id)
-    norm, levels = qsgd(d, int(config[LEVELS]), rng)
-    out.update({"qsgd/norm": torch.tensor([norm]), "qsgd/levels": torch.from_numpy(levels)})
-    return out, {}
 
 
 # ---------------------------------------------------------------- the server's side
@@ -117,6 +49,7 @@ class _Compression(Wrapper):
     """Ask clients to compress (config keys), decode their replies before the loop screens them."""
 
     async_reason = "the synchronous loop decodes the replies"
+    client_half = "fedsim.algorithms.halves.Compress"
     fold_order = 20  # replies are decoded before the attack crafts from them and clipping clips them
 
     def settings(self) -> dict[str, Any]:

@@ -11,6 +11,9 @@ RUN_SPEC = "fedsim-spec"  # JSON of the resolved run config (task, data, client 
 MODEL_VERSION = "model-version"  # server model version the client starts from
 PROXIMAL_MU = "proximal-mu"  # set by Flower's FedProx
 CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by fedsim.strategies.clipping)
+FLOWER_CLIPPING_NORM = "clipping_norm"  # Flower's client-side DP (flwr.supercore.differential_privacy)
+LABEL_FLIP = "attack-label-flip"  # the partition ids that train on flipped labels (attack=label_flip)
+PROBE_TRAIN = "probe-train-loss"  # evaluate config: report the loss on the training split (selection probes)
 TASK_ID = "task-id"  # async loop: index of this task (seeds local training and injected faults)
 MAX_STEPS = "max-steps"  # at most this many local steps (partial work before a deadline)
 

@@ -220,3 +220,20 @@ def node_task(spec_json: str, data_dir: str, partition_id: int) -> build.ClientT
         build.fault_rates(spec),
         task=build.build_task(spec),
     )
+
+
+def task_for(spec: str, node_config) -> build.ClientTask:
+    """This node's task: its partition of the run's data set (``partition-id``, cached on disk under
+    ``cache-dir`` when set), or its own folder when ``data-dir`` is set."""
+    partition_id = node_partition(node_config, spec)
+    data_dir = node_config.get(keys.NODE_DATA_DIR)
+    if data_dir:
+        task = node_task(spec, str(data_dir), partition_id)
+    else:
+        cache_dir = node_config.get(keys.NODE_CACHE_DIR)
+        task = build.client_task(spec, partition_id, str(cache_dir) if cache_dir else None)
+    if task.algorithm is None:  # the client algorithm and the model's classes, from the spec
+        task.algorithm = build.client_algorithm(json.loads(spec))
+    if task.num_classes is None:
+        task.num_classes = _model_shape(json.loads(spec))[1]
+    return task

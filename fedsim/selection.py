@@ -36,7 +36,7 @@ from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
 
-PROBE_TRAIN = "probe-train-loss"  # evaluate-config key: report the loss on the training split
+PROBE_TRAIN = keys.PROBE_TRAIN  # evaluate-config key: report the loss on the training split
 
 Losses = Callable[[list[int]], dict[int, float]]  # partition ids -> their local losses under the global model
 
@@ -114,6 +114,7 @@ class PowerOfChoice(Wrapper):
     option_name = "power_of_choice"
     draws_cohort = "the cohort by probing candidates' losses"  # fedsim.strategies.composition
     async_reason = "an asynchronous strategy picks each next client itself"
+    client_half = "fedsim.algorithms.halves.ProbeTrain"  # a loss probe is answered on the training split
     fold_order = 40  # outermost: asked first for the cohort
     touches_replies = (
         False  # it picks the cohort and leaves the replies alone: the stacked path passes through

@@ -179,17 +179,19 @@ def test_run_records_the_malicious_replies_of_each_round(tmp_path):
 
 @pytest.mark.slow
 def test_label_flip_trains_the_attackers_on_flipped_labels(tmp_path):
-    from fedsim import client_app
+    from fedsim.algorithms import halves
     from fedsim.build import client_spec, client_task
     from fedsim.messages import TrainInstruction
 
     cfg = compose_cfg(*TINY)
     spec = client_spec(cfg, "cpu")
     task = client_task(spec, 2)
-    flipped = client_app._labels(task, TrainInstruction(spec, unhandled={attacks.LABEL_FLIP: [2, 4]}))
-    assert torch.equal(flipped, 9 - task.y_train)
-    kept = client_app._labels(task, TrainInstruction(spec, unhandled={attacks.LABEL_FLIP: [4]}))
-    assert kept is task.y_train
+    half = halves.LabelFlip()  # attack=label_flip's client half, as fedsim's ClientApp applies it
+    assert attacks.LabelFlip.client_half == "fedsim.algorithms.halves.LabelFlip"
+    flipping = TrainInstruction(spec, unhandled={attacks.LABEL_FLIP: [2, 4]})
+    assert half.active(flipping) and torch.equal(half.labels(flipping, 2, task.y_train, 10), 9 - task.y_train)
+    other = TrainInstruction(spec, unhandled={attacks.LABEL_FLIP: [4]})
+    assert half.labels(other, 2, task.y_train, 10) is task.y_train
     summary = run_tiny(tmp_path, "attack=label_flip", "attack.fraction=0.5")
     assert summary["status"] == "completed" and json.loads(json.dumps(summary["malicious_clients"]))
 

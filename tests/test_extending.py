@@ -398,3 +398,57 @@ def test_the_guides_capability_table_is_a_part_of_the_contract_written_in_strate
     table = guide[guide.index("| method | what fedsim does with it |") :].split("\n\n")[0]
     methods = re.findall(r"^\| `([a-z_]+)\(", table, flags=re.M)
     assert len(methods) >= 4 and all(f"``{m}(" in contract for m in methods), methods
+
+
+# ------------------------------------------------------------- a feature with a server and a client half
+FEATURE = '''
+from fedsim.algorithms.halves import ClientHalf
+from fedsim.strategies.wrapper import Wrapper
+
+
+class Tagging(Wrapper):
+    """Server half: record the tag each reply carries; everything else is the wrapped strategy's."""
+
+    client_half = "tagging.TagHalf"
+
+    def __init__(self, strategy, scale=1.0):
+        super().__init__(strategy)
+        self.scale, self.tags = float(scale), []
+
+    def aggregate_train(self, server_round, replies):
+        replies = list(replies)
+        self.tags.append(sorted(float(m.content["metrics"]["tag"]) for m in replies))
+        return self.strategy.aggregate_train(server_round, replies)
+
+    def own_summary_fields(self):
+        return {"tags": self.tags}
+
+
+class TagHalf(ClientHalf):
+    """Client half: every reply carries its partition id times 10 as a metric."""
+
+    def active(self, ins):
+        return True
+
+    def on_reply(self, reply):
+        reply.metrics["tag"] = 10.0 * reply.partition_id
+'''
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "auto"])
+def test_a_feature_with_a_server_and_a_client_half_is_new_files_only(tmp_path, monkeypatch, engine):
+    """The two halves of a feature and its config group, in the user's folder: the builder folds the wrapper, the
+    run spec names the client half, every engine applies it (the batched one through the ClientApp)."""
+    from fedsim.run import run_experiment
+
+    (tmp_path / "conf" / "tagging").mkdir(parents=True)
+    (tmp_path / "tagging.py").write_text(FEATURE)
+    (tmp_path / "conf" / "tagging" / "on.yaml").write_text("_target_: tagging.Tagging\nscale: 2.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("tagging", None)
+    over = [*TINY[:2], "quiet=true", "num_rounds=2", f"engine={engine}", "+tagging=on"]
+    summary = run_experiment(compose(*over, searchpath=[str(tmp_path / "conf")]), tmp_path / "run")
+    sys.modules.pop("tagging", None)
+    assert summary["status"] == "completed" and len(summary["tags"]) == 2
+    for tags in summary["tags"]:  # one tag per reply: the client half ran on both clients of each round
+        assert len(set(tags)) == 2 and all(t in (0.0, 10.0, 20.0, 30.0) for t in tags), tags

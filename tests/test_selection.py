@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -109,13 +111,23 @@ def test_probe_asks_for_the_training_loss_and_ranks_silent_clients_last():
 def test_the_client_probe_evaluates_on_the_training_split():
     from flwr.app import ConfigRecord
 
-    from fedsim import client_app
+    from fedsim.algorithms import halves
     from fedsim.build import client_spec, client_task
 
-    task = client_task(client_spec(compose_cfg(*TINY), "cpu"), 1)
-    x, y = client_app._eval_split(task, ConfigRecord({selection.PROBE_TRAIN: True}))
+    spec = client_spec(compose_cfg(*TINY, "selection=power_of_choice"), "cpu")
+    assert "fedsim.algorithms.halves.ProbeTrain" in json.loads(spec)["halves"]  # named by the wrapper
+    task = client_task(spec, 1)
+
+    def split(config):  # as fedsim's ClientApp picks an evaluation's split: the first half that chooses one
+        chosen = [
+            h.eval_data(config, task.x_train, task.y_train, task.x_val, task.y_val)
+            for h in halves.chain(spec)
+        ]
+        return next((c for c in chosen if c is not None), (task.x_val, task.y_val))
+
+    x, y = split(ConfigRecord({selection.PROBE_TRAIN: True}))
     assert x is task.x_train and torch.equal(y, task.y_train)
-    x, _ = client_app._eval_split(task, ConfigRecord({}))
+    x, _ = split(ConfigRecord({}))
     assert x is task.x_val
 
 

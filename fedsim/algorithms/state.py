@@ -198,3 +198,14 @@ def resume(
     shutil.copytree(src, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
+
+
+def store_for(node_config, context_state, partition_id: int, index: int) -> ClientState:
+    """Where a client's persistent state lives: the run folder in simulation (``state-dir`` in the node config),
+    the SuperNode's ``Context.state`` in deployment."""
+    from fedsim import keys
+
+    root = node_config.get(keys.NODE_STATE_DIR)
+    if root:
+        return DirectoryState(str(root), partition_id, index)
+    return ContextState(context_state)

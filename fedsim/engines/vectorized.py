@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import logging
 import os
 import time
@@ -70,6 +71,20 @@ VECTOR_OPTIMIZERS = ("sgd", "momentum", "nesterov")
 # INFO line the first time): a key fedsim does not know, and one a user taught the parser
 # (``fedsim.messages.parse_train``) but not this engine, so no client-side setting is dropped silently.
 IMPLEMENTS = frozenset({keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, *DRAW_INDEX_KEYS})
+# Client halves (fedsim.algorithms.halves) a run spec may name that this engine honours: they act only on a
+# train-config key it does not implement (such a message runs through the ClientApp), or on evaluations. A run
+# whose spec names any other half trains through the ClientApp.
+HALVES = frozenset(f"fedsim.algorithms.halves.{name}" for name in ("Compress", "LabelFlip", "ProbeTrain"))
+
+
+@functools.lru_cache(maxsize=64)
+def _unknown_halves(spec: str) -> tuple[str, ...]:
+    """The client halves ``spec`` names that this engine does not implement."""
+    try:
+        named = json.loads(spec).get("halves") or ()
+    except (ValueError, AttributeError):
+        return ()
+    return tuple(h for h in named if h not in HALVES)
 
 
 @dataclass
@@ -332,6 +347,10 @@ class VectorizedGrid(PoolGrid):
         extra = set(cfg.keys()) - IMPLEMENTS
         if extra:  # unknown to fedsim, or known to the parser (a user's setting) but not implemented here
             self._skip(f"train config keys it does not implement: {', '.join(sorted(extra))}")
+            return None, None, False
+        halves = _unknown_halves(cfg[keys.RUN_SPEC])
+        if halves:  # a feature's client half of its own: the ClientApp applies it
+            self._skip(f"client halves it does not implement: {', '.join(halves)}")
             return None, None, False
         return arrays, ins, any(name != keys.ARRAYS for name in content.array_records)
 

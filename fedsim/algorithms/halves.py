@@ -1,0 +1,224 @@
+"""Client halves: what a feature does on the client, around local training, beside the client algorithm.
+
+A server-side feature (``fedsim.strategies.wrapper.Wrapper``) names its client half in ``client_half`` (a class
+path), the way a strategy names its client algorithm; the run's client spec carries the list (``halves``), and
+fedsim's ClientApp applies them in order around every local training:
+
+1. :meth:`ClientHalf.labels`: the labels the client trains on (label flipping);
+2. local training (the client algorithm's hooks, ``fedsim.algorithms.base``);
+3. :meth:`ClientHalf.on_reply`: what is sent back (client-side clipping, injected faults, compression), with
+   the client's persistent state (:attr:`Reply.state`) when :meth:`ClientHalf.keeps_state` says so;
+4. for an evaluation message, :meth:`ClientHalf.eval_data` may choose the split (selection's loss probe).
+
+Each half acts only on messages that ask for it (their train-config keys). Client-side clipping (fedsim's
+``clip-norm`` and Flower's ``clipping_norm``) and injected faults are always in the chain: a Flower strategy
+that is not fedsim's may ask for clipping, and faults come from the run's own ``faults`` section.
+
+This module imports no server-side module: the codecs it applies sit at the bottom layer
+(``fedsim.codecs``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedsim import codecs, keys
+from fedsim.algorithms.base import LocalRun
+from fedsim.faults import SimulatedTimeout
+
+
+@dataclass
+class Reply:
+    """A train reply being made: the model to send (``model``, edited in place by the halves), the global model
+    it started from, the instruction, who sends it, its extra metrics and the client's persistent state."""
+
+    model: dict[str, torch.Tensor]
+    start: dict[str, torch.Tensor]
+    ins: Any  # fedsim.messages.TrainInstruction
+    partition_id: int
+    seed: int
+    faults: Any = None  # fedsim.faults.FaultRates or None
+    metrics: dict[str, float] = field(default_factory=dict)
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class ClientHalf:
+    """The client half of a feature; every hook leaves things as they are unless a subclass overrides it."""
+
+    needs_start = False  # on_reply reads Reply.start (the global model the update is taken from)
+
+    def active(self, ins: Any) -> bool:
+        """True when the train instruction ``ins`` asks for this half (its keys are in it)."""
+        return False
+
+    def keeps_state(self, ins: Any) -> bool:
+        """True when this half reads or writes the client's persistent state for ``ins``."""
+        return False
+
+    def labels(self, ins: Any, partition_id: int, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+        """The labels the client trains on."""
+        return y
+
+    def on_reply(self, reply: Reply) -> None:
+        """Change what is sent back (``reply.model``, ``reply.metrics``, ``reply.state``) in place."""
+
+    def eval_data(self, config: Any, x_train, y_train, x_val, y_val) -> tuple | None:
+        """The split an evaluation message is answered on, or None for the validation split."""
+        return None
+
+
+class ClientClipping(ClientHalf):
+    """Clip the update ``model - start`` to L2 norm ``C`` (fedsim's ``clip-norm``, or Flower's ``clipping_norm``
+    from Flower's client-side DP strategies) and report the norm before clipping and whether it clipped."""
+
+    needs_start = True
+
+    def active(self, ins: Any) -> bool:
+        return clip_norm(ins) is not None
+
+    def on_reply(self, reply: Reply) -> None:
+        bound = clip_norm(reply.ins)
+        with torch.no_grad():
+            deltas = {
+                k: reply.model[k] - reply.start[k]
+                for k in reply.start
+                if torch.is_floating_point(reply.start[k])
+            }
+            norm = math.sqrt(sum(float((d.double() ** 2).sum()) for d in deltas.values()))
+            clipped = norm > bound and norm != 0.0
+            if clipped:
+                scale = bound / norm
+                for k, d in deltas.items():
+                    reply.model[k] = reply.start[k] + d * scale
+        reply.metrics = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(clipped)}  # the algorithm's are not sent
+
+
+def clip_norm(ins: Any) -> float | None:
+    """The clipping bound asked for: fedsim's ``clip-norm``, else Flower's ``clipping_norm``."""
+    if ins.clip_norm is not None:
+        return ins.clip_norm
+    value = ins.unhandled.get(keys.FLOWER_CLIPPING_NORM)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{keys.FLOWER_CLIPPING_NORM}={value!r} in the train config: expected a number > 0")
+    return float(value)
+
+
+class InjectedFaults(ClientHalf):
+    """The run's seeded injected faults (``faults`` section, ``fedsim.faults``): an error, a timeout, or a
+    corrupted reply (NaN, a wrong shape, a wrong dtype)."""
+
+    def active(self, ins: Any) -> bool:
+        return True
+
+    def on_reply(self, reply: Reply) -> None:
+        if reply.faults is None:
+            return
+        rnd, pid = reply.ins.draw_index, reply.partition_id
+        kind = reply.faults.draw(reply.seed, rnd, pid)
+        if kind == "error":
+            raise RuntimeError(f"injected client error (partition {pid}, round {rnd})")
+        if kind == "timeout":
+            raise SimulatedTimeout(f"injected timeout (partition {pid}, round {rnd})")
+        first = next(iter(reply.model))
+        if kind == "nan":
+            reply.model[first] = torch.full_like(reply.model[first], float("nan"))
+        elif kind == "shape":
+            reply.model[first] = reply.model[first].reshape(-1)[:-1].clone()
+        elif kind == "dtype":
+            for k in list(reply.model):
+                reply.model[k] = reply.model[k].double()
+
+
+class LabelFlip(ClientHalf):
+    """``attack=label_flip``'s client half: the attackers named in the train config train on ``C - 1 - y``."""
+
+    def active(self, ins: Any) -> bool:
+        return bool(ins.unhandled.get(keys.LABEL_FLIP))
+
+    def labels(self, ins: Any, partition_id: int, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+        if partition_id not in (ins.unhandled.get(keys.LABEL_FLIP) or ()):
+            return y
+        return flip_labels(y, num_classes)
+
+
+def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Label flipping: class ``c`` becomes ``num_classes - 1 - c``."""
+    return (num_classes - 1) - y
+
+
+class Compress(ClientHalf):
+    """``compression=``'s client half: send the update encoded (top-k with error feedback, or QSGD); top-k keeps
+    its residual in the client's state."""
+
+    needs_start = True
+
+    def active(self, ins: Any) -> bool:
+        return codecs.wanted(ins.unhandled)
+
+    def keeps_state(self, ins: Any) -> bool:
+        return True
+
+    def on_reply(self, reply: Reply) -> None:
+        encoded, kept = codecs.encode_reply(
+            reply.model,
+            reply.start,
+            reply.ins.unhandled,
+            reply.state,
+            reply.seed,
+            reply.ins.draw_index,
+            reply.partition_id,
+        )
+        reply.model.clear()
+        reply.model.update(encoded)
+        reply.state.update(kept)
+
+
+class ProbeTrain(ClientHalf):
+    """Power of choice's client half: a loss probe (``probe-train-loss``) is answered on the training split."""
+
+    def eval_data(self, config: Any, x_train, y_train, x_val, y_val) -> tuple | None:
+        return (x_train, y_train) if config.get(keys.PROBE_TRAIN) else None
+
+
+ALWAYS = ("fedsim.algorithms.halves.ClientClipping", "fedsim.algorithms.halves.InjectedFaults")
+
+
+@functools.lru_cache(maxsize=16)
+def _chain(paths: tuple[str, ...]) -> tuple[ClientHalf, ...]:
+    from hydra.utils import get_object
+
+    out = []
+    for path in paths:
+        try:
+            cls = get_object(path)
+        except Exception:  # noqa: BLE001  (any import failure is the same error)
+            cls = None
+        if not (isinstance(cls, type) and issubclass(cls, ClientHalf)):
+            raise ValueError(
+                f"client half {path!r} in the run spec: expected a fedsim.algorithms.halves.ClientHalf"
+            )
+        out.append(cls())
+    return tuple(out)
+
+
+def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
+    """The client halves of a run spec, in the order they apply: client-side clipping, injected faults, then
+    those its features name (``spec["halves"]``, written from the features' ``client_half``)."""
+    spec = json.loads(spec) if isinstance(spec, str) else spec
+    return _chain(ALWAYS + tuple(spec.get("halves") or ()))
+
+
+def local_run(task: Any, ins: Any, local: Any, incoming: dict) -> LocalRun:
+    """The client algorithm's view of one task (``fedsim.algorithms.base.LocalRun``) of ``task``, a
+    ``fedsim.build.ClientTask`` holding the received global model."""
+    start = {n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad}
+    return LocalRun(task.model, ins, local, task.partition_id, start=start, incoming=incoming, task=task.task)
