@@ -34,9 +34,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim import keys
 from fedsim.algorithms import halves
-from fedsim.algorithms.state import store_for
-from fedsim.local import flower_train_config
-from fedsim.messages import global_state, incoming_arrays, parse_train, train_reply
+from fedsim.messages import flower_train_config, global_state, incoming_arrays, parse_train, train_reply
 from fedsim.node_data import task_for
 from fedsim.run_spec import (  # noqa: F401  (re-exported: fedsim.deploy and tests take them from here)
     MissingSpecError,
@@ -73,40 +71,21 @@ def train(msg: Message, context: Context) -> Message:
     spec = run_spec(msg, context)  # before anything is built
     task = task_for(spec, context.node_config)
     ins = parse_train(_with_spec(msg, spec))
-    active = [h for h in halves.chain(spec) if h.active(ins)]
-    algorithm = task.algorithm
     local = flower_train_config(task.local, ins.unhandled, context.run_config, foreign=_foreign(msg))
     _load(task, msg.content[keys.ARRAYS])
-    start = {}  # the global model, for a half that takes the update from it
-    if any(h.needs_start for h in active):
-        start = {k: v.detach().clone().cpu() for k, v in task.model.state_dict().items()}
-    run = halves.local_run(task, ins, local, incoming_arrays(msg.content))
-    store = None
-    if algorithm.stateful or any(h.keeps_state(ins) for h in active):
-        store = store_for(context.node_config, context.state, task.partition_id, ins.draw_index)
-        run.state = store.load()
-    y = task.y_train
-    for half in active:
-        y = half.labels(ins, task.partition_id, y, task.num_classes)
+    chain = halves.ClientChain.build(spec, task, ins, context.node_config, context.state)
+    run = chain.local_run(task, ins, local, incoming_arrays(msg.content))
     loss, steps, seen = train_local(
         task.model,
         task.x_train,
-        y,
+        chain.labels(task, ins),
         local,
         ins.generator(task.seed, task.partition_id),
         max_steps=ins.max_steps,
-        algorithm=algorithm,
+        algorithm=chain.algorithm,
         run=run,
     )
-    if store is not None:
-        store.save(run.state)
-    model = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
-    reply = halves.Reply(model, start, ins, task.partition_id, task.seed, task.faults, dict(run.metrics))
-    reply.state = dict(run.state)
-    for half in active:
-        half.on_reply(reply)
-    if store is not None and any(h.keeps_state(ins) for h in active):
-        store.save(reply.state)
+    reply = chain.reply(task, run)
     return train_reply(
         msg,
         reply.model,
@@ -145,9 +124,8 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
     algorithm = task.algorithm
     if algorithm.stateful:  # the state this client saved in round r is version r: read it for round r's eval
         rnd = int(cfg.get(keys.SERVER_ROUND, 0))
-        algorithm.personalize(
-            task.model, store_for(context.node_config, context.state, task.partition_id, rnd + 1).load()
-        )
+        state = halves.saved_state(context.node_config, context.state, task.partition_id, rnd + 1)
+        algorithm.personalize(task.model, state)
     x, y = task.x_val, task.y_val
     for half in halves.chain(spec):  # e.g. a selection probe is answered on the training split
         split = half.eval_data(cfg, task.x_train, task.y_train, task.x_val, task.y_val)

@@ -8,6 +8,8 @@ one path and silently ignored on the other: a key that the batched path does not
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import weakref
 from dataclasses import dataclass, field
 
@@ -16,6 +18,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from fedsim import keys
+from fedsim.errors import ConfigError
+from fedsim.local import LocalTraining
 from fedsim.seeds import Purpose, torch_generator
 from fedsim.strategies.records import npy_header, to_numpy
 
@@ -284,3 +288,48 @@ def device_mean(x: torch.Tensor, w: np.ndarray, rows: int = 64) -> torch.Tensor:
     for i in range(0, len(w), rows):
         acc += torch.tensordot(wt[i : i + rows], x[i : i + rows].double(), dims=1)
     return acc
+
+
+# ---------------------------------------------------------------- Flower's own train-config keys
+log = logging.getLogger("fedsim")
+
+# Flower's quickstart keys for local training: ``lr`` in the train config, ``local-epochs`` in the train config
+# or the run config (its ClientApp reads ``context.run_config["local-epochs"]``)
+FLOWER_LR, FLOWER_EPOCHS = "lr", "local-epochs"
+_HONOURED = frozenset({FLOWER_LR, FLOWER_EPOCHS, keys.FLOWER_CLIPPING_NORM})
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def flower_train_config(local: LocalTraining, unhandled: dict, run_config, foreign: bool) -> LocalTraining:
+    """``local`` with Flower's conventional ``lr`` and ``local-epochs`` applied, where a message (or, under a
+    ServerApp that is not fedsim's, the run config) sets them; a bad value is one ``ConfigError`` line.
+
+    Under a ServerApp that is not fedsim's, the other train-config keys that nothing in fedsim reads are named
+    in one warning (once per set of keys), never ignored silently.
+    """
+    changes = {}
+    if FLOWER_LR in unhandled:
+        changes["lr"] = _number(FLOWER_LR, unhandled[FLOWER_LR])
+    epochs = unhandled.get(FLOWER_EPOCHS, run_config.get(FLOWER_EPOCHS) if foreign else None)
+    if epochs is not None:
+        value = _number(FLOWER_EPOCHS, epochs)
+        if value != int(value):
+            raise ConfigError(FLOWER_EPOCHS, epochs, "an integer >= 1")
+        changes.update(local_epochs=int(value), local_steps=0)
+    if foreign:
+        ignored = tuple(sorted(k for k in unhandled if k not in _HONOURED))
+        if ignored and ignored not in _WARNED:
+            _WARNED.add(ignored)
+            log.warning(
+                "fedsim's ClientApp ignores train-config key(s) %s (it reads %s, and %s)",
+                ", ".join(repr(k) for k in ignored),
+                f"{FLOWER_LR!r}, {FLOWER_EPOCHS!r}",
+                f"{keys.FLOWER_CLIPPING_NORM!r}; the rest of local training comes from run_config 'overrides'",
+            )
+    return dataclasses.replace(local, **changes) if changes else local
+
+
+def _number(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(key, value, "a number (train config)")
+    return float(value)

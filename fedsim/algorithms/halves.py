@@ -31,6 +31,7 @@ import torch
 
 from fedsim import codecs, keys
 from fedsim.algorithms.base import LocalRun
+from fedsim.algorithms.state import ClientState, store_for
 from fedsim.faults import SimulatedTimeout
 
 
@@ -217,8 +218,64 @@ def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
     return _chain(ALWAYS + tuple(spec.get("halves") or ()))
 
 
-def local_run(task: Any, ins: Any, local: Any, incoming: dict) -> LocalRun:
-    """The client algorithm's view of one task (``fedsim.algorithms.base.LocalRun``) of ``task``, a
-    ``fedsim.build.ClientTask`` holding the received global model."""
-    start = {n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad}
-    return LocalRun(task.model, ins, local, task.partition_id, start=start, incoming=incoming, task=task.task)
+@dataclass
+class ClientChain:
+    """One train task's client side beside the training loop: the client algorithm, the client halves the
+    instruction asks for (in order), and the client's persistent state they keep (``fedsim.algorithms.state``:
+    the run folder in simulation, the SuperNode's ``Context.state`` in deployment)."""
+
+    algorithm: Any  # fedsim.algorithms.base.ClientAlgorithm
+    halves: list[ClientHalf]
+    store: ClientState | None
+
+    @classmethod
+    def build(cls, spec: str, task: Any, ins: Any, node_config: Any, context_state: Any) -> ClientChain:
+        """The chain of ``task`` (a ``fedsim.build.ClientTask``) for the instruction ``ins``."""
+        active = [h for h in chain(spec) if h.active(ins)]
+        keeps = task.algorithm.stateful or any(h.keeps_state(ins) for h in active)
+        store = store_for(node_config, context_state, task.partition_id, ins.draw_index) if keeps else None
+        return cls(task.algorithm, active, store)
+
+    def local_run(self, task: Any, ins: Any, local: Any, incoming: dict) -> LocalRun:
+        """The client algorithm's view of the task (the model holds the global weights), with its state."""
+        start = {n: p.detach().clone() for n, p in task.model.named_parameters() if p.requires_grad}
+        run = LocalRun(
+            task.model, ins, local, task.partition_id, start=start, incoming=incoming, task=task.task
+        )
+        if self.store is not None:
+            run.state = self.store.load()
+        self._global = (
+            {k: v.detach().clone().cpu() for k, v in task.model.state_dict().items()}
+            if any(h.needs_start for h in self.halves)
+            else {}
+        )
+        return run
+
+    def labels(self, task: Any, ins: Any) -> torch.Tensor:
+        """The labels the client trains on."""
+        y = task.y_train
+        for half in self.halves:
+            y = half.labels(ins, task.partition_id, y, task.num_classes)
+        return y
+
+    def reply(self, task: Any, run: LocalRun) -> Reply:
+        """After training: the state kept, then the model to send as the halves make it."""
+        if self.store is not None:
+            self.store.save(run.state)
+        model = {k: v.detach().cpu() for k, v in task.model.state_dict().items()}
+        reply = Reply(
+            model, self._global, run.instruction, task.partition_id, task.seed, task.faults, dict(run.metrics)
+        )
+        reply.state = dict(run.state)
+        for half in self.halves:
+            half.on_reply(reply)
+        if self.store is not None and any(h.keeps_state(run.instruction) for h in self.halves):
+            self.store.save(reply.state)
+        return reply
+
+
+def saved_state(node_config: Any, context_state: Any, partition_id: int, version: int) -> dict[str, np.ndarray]:
+    """The persistent arrays the client saved as ``version`` (its state before task ``version``), e.g. Ditto's
+    personal model for an evaluation."""
+    return store_for(node_config, context_state, partition_id, version).load()
+
