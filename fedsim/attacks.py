@@ -45,6 +45,7 @@ from fedsim import keys
 from fedsim.algorithms.halves import flip_labels  # noqa: F401  (the client half of label_flip)
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
+from fedsim.schema import MALICIOUS
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, unflatten
@@ -136,6 +137,11 @@ class Attack(Wrapper):
     def malicious_among(self, partition_ids: Iterable[int]) -> int:
         """How many of ``partition_ids`` are attackers."""
         return sum(int(p) in self.malicious for p in partition_ids)
+
+    def round_fields(self, partition_ids: Iterable[int]) -> dict[str, Any]:
+        """metrics.jsonl's ``malicious``: the attackers among the round's valid replies."""
+        partition_ids = list(partition_ids)
+        return {**super().round_fields(partition_ids), MALICIOUS: self.malicious_among(partition_ids)}
 
     # ------------------------------------------------------------ Strategy interface
     def configure_train(

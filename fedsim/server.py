@@ -195,19 +195,17 @@ def run_sync(
         state.rollback = checkpoint.mark(state, strategy)  # an interrupt in this round returns here
         rnd = state.round + 1
         t0 = time.perf_counter()
-        cohort = base.sample_cohort(strategy, rnd, loop.num_clients, loop.clients_per_round)
-        probed = {"down": 0, "up": 0}  # bytes of power-of-choice's probes this round
-        if cohort is None:  # selection=: e.g. power of choice, which probes candidates' losses first
-            cohort = base.select_cohort(
-                strategy,
-                rnd,
-                loop.num_clients,
-                loop.clients_per_round,
-                lambda pids, rnd=rnd, probed=probed: probe_losses(
-                    grid, node_of, pids, state.arrays, spec, rnd, loop.round_timeout, probed
-                ),
-                sizes,
-            )
+        probed = {"down": 0, "up": 0}  # bytes of the loss probes a selection rule asks for this round
+        cohort = base.choose_cohort(
+            strategy,
+            rnd,
+            loop.num_clients,
+            loop.clients_per_round,
+            lambda pids, rnd=rnd, probed=probed: probe_losses(
+                grid, node_of, pids, state.arrays, spec, rnd, loop.round_timeout, probed
+            ),
+            sizes,
+        )
         if cohort is None:
             cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
         plans = {p.pid: p for p in plan_round(clock, work, cohort, rnd)}
@@ -232,9 +230,9 @@ def run_sync(
             schema.NUM_CLIENTS: len(valid),
             **failure_fields(failures, f"round {rnd}", "client"),
         }
-        malicious = base.malicious_count(strategy, pids)
-        if malicious is not None:  # attack=: replies from attackers among the valid ones
-            record[schema.MALICIOUS] = malicious
+        record.update(
+            base.round_fields(strategy, pids)
+        )  # e.g. attack=: the attackers among the valid replies
         record[schema.BYTES_DOWN] = comm.message_bytes(messages) + probed["down"]  # serialised, each way
         record[schema.BYTES_UP] = bytes_up + probed["up"]
         fates = Counter(p.fate for p in plans.values())
@@ -254,10 +252,7 @@ def run_sync(
             record[schema.SKIPPED] = True
         else:
             try:
-                if isinstance(valid, StackedReplies):
-                    arrays, metrics = strategy.aggregate_stacked(rnd, valid)
-                else:
-                    arrays, metrics = strategy.aggregate_train(rnd, valid)
+                arrays, metrics = base.aggregate(strategy, rnd, valid)
             except StopRun as stop:
                 log.warning("stopping at round %d: %s", rnd, stop)
                 state.stop_reason = str(stop)

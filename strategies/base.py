@@ -28,8 +28,9 @@ capability                    meaning
                               cohort, asking candidates for their loss through ``losses(partition_ids)``.
 :class:`DecodesReplies`      ``decode_replies(replies, current)``: replies carry compressed updates
                               (``fedsim.compression``); the loop decodes them before screening.
-:class:`CountsMalicious`     ``malicious_among(partition_ids)``: how many of a round's replies came from
-                              attackers (``fedsim.attacks``; metrics.jsonl field ``malicious``).
+:class:`ReportsRound`       ``round_fields(partition_ids)``: metrics.jsonl fields about a round's valid
+                              replies, by their partition ids (e.g. ``fedsim.attacks``' ``malicious``, the
+                              attackers among them); a wrapper adds its own to the inner strategy's.
 :class:`ReleasesEveryRound`  ``releases_every_round`` (a property, True for DP's wrapper with noise, found
                               through the wrapper chain): every sampled round releases a model. The loop
                               never skips such a round: it calls ``configure_train`` even for an empty
@@ -110,10 +111,10 @@ class DecodesReplies(Protocol):
 
 
 @runtime_checkable
-class CountsMalicious(Protocol):
-    """A strategy that knows which clients attack (``fedsim.attacks``)."""
+class ReportsRound(Protocol):
+    """A strategy (or wrapper) with metrics.jsonl fields about each round's valid replies."""
 
-    def malicious_among(self, partition_ids: Iterable[int]) -> int: ...
+    def round_fields(self, partition_ids: Iterable[int]) -> dict[str, Any]: ...
 
 
 @runtime_checkable
@@ -214,10 +215,34 @@ def takes_stacked(strategy: object) -> bool:
     return isinstance(strategy, AggregatesStacked) and bool(strategy.takes_stacked())
 
 
-def malicious_count(strategy: object, partition_ids: Iterable[int]) -> int | None:
-    """How many of ``partition_ids`` are attackers, or None when the run has no attack."""
-    count = strategy.malicious_among(partition_ids) if isinstance(strategy, CountsMalicious) else None
-    return None if count is None else int(count)
+def round_fields(strategy: object, partition_ids: Iterable[int]) -> dict[str, Any]:
+    """The strategy's metrics.jsonl fields about a round whose valid replies came from ``partition_ids``."""
+    return dict(strategy.round_fields(list(partition_ids))) if isinstance(strategy, ReportsRound) else {}
+
+
+def choose_cohort(
+    strategy: object,
+    server_round: int,
+    num_clients: int,
+    clients_per_round: int,
+    losses: Callable[[list[int]], dict[int, float]],
+    sizes: dict[int, int] | None = None,
+) -> list[int] | None:
+    """The round's cohort as the strategy chooses it: drawn by itself (:class:`SamplesCohort`, e.g. DP's
+    sampler), else picked by a selection rule (:class:`SelectsCohort`, which may ask candidates for their
+    ``losses``); None to let the loop draw it uniformly."""
+    cohort = sample_cohort(strategy, server_round, num_clients, clients_per_round)
+    if cohort is None:
+        cohort = select_cohort(strategy, server_round, num_clients, clients_per_round, losses, sizes)
+    return cohort
+
+
+def aggregate(strategy: object, server_round: int, replies: Any) -> tuple[Any, MetricRecord | None]:
+    """``aggregate_train`` of a round's valid replies: per-client Messages, or the stacked form
+    (``fedsim.messages.StackedReplies``, handed only to a strategy that :func:`takes_stacked`)."""
+    if isinstance(replies, list):
+        return strategy.aggregate_train(server_round, replies)
+    return strategy.aggregate_stacked(server_round, replies)
 
 
 def select_cohort(

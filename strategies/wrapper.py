@@ -111,9 +111,9 @@ class Wrapper(Strategy):
     def decode_replies(self, replies: Iterable[Message], current: Any) -> list[Message]:
         return base.decode_replies(self.strategy, list(replies), current)
 
-    def malicious_among(self, partition_ids: Iterable[int]) -> int | None:
-        """The inner attack's count, or None without one."""
-        return base.malicious_count(self.strategy, partition_ids)
+    def round_fields(self, partition_ids: Iterable[int]) -> dict[str, Any]:
+        """The inner strategy's metrics.jsonl fields about the round (a feature adds its own)."""
+        return base.round_fields(self.strategy, partition_ids)
 
     @property
     def releases_every_round(self) -> bool:

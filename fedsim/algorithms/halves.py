@@ -274,8 +274,9 @@ class ClientChain:
         return reply
 
 
-def saved_state(node_config: Any, context_state: Any, partition_id: int, version: int) -> dict[str, np.ndarray]:
+def saved_state(
+    node_config: Any, context_state: Any, partition_id: int, version: int
+) -> dict[str, np.ndarray]:
     """The persistent arrays the client saved as ``version`` (its state before task ``version``), e.g. Ditto's
     personal model for an evaluation."""
     return store_for(node_config, context_state, partition_id, version).load()
-
