@@ -24,14 +24,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fedsim import schema
+
 log = logging.getLogger("fedsim")
 
 __all__ = ["Callback", "Callbacks", "MLflow", "TensorBoard", "WandB", "flat_config", "redact", "scalars"]
 
-SECRET_KEYS = (
-    "clipping.noise_seed",
-    "noise_seed",
-)  # dotted config paths, then summary fields: never exported
+SECRET_KEYS = (*schema.SECRET_KEYS, "noise_seed")  # dotted config paths, then summary fields: never exported
 
 
 def redact(node: dict, prefix: str = "") -> dict:

@@ -71,6 +71,7 @@ FREE_KEYS = (
     "engine",
     "placement",
     "clipping.max_epsilon",
+    "clipping.noise_seed",  # a secret kept by the checkpoint, which a resumed run takes its noise seed from
     "strategy.default_num_rounds",
     "strategy.wall_clock",
     "target_r2",
@@ -124,7 +125,7 @@ def check_config(ckpt: dict, config: dict, where: str) -> None:
             "resume",
             where,
             f"a checkpoint of this experiment, but these keys differ: {shown}{more}",
-            "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml); only "
+            "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml, less a <secret> noise seed: the checkpoint keeps it); only "
             "num_rounds, logging, targets, timeouts, engine and placement may change.",
         )
 
@@ -635,7 +636,7 @@ def restore(ckpt: dict, state, strategy):
                 "resume",
                 name,
                 "the strategy the checkpoint was written by (its state is a state_dict(); this one has none)",
-                "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml).",
+                "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml, less a <secret> noise seed: the checkpoint keeps it).",
             )
         strategy.load_state_dict(ckpt["strategy_state"])
     return strategy

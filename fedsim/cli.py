@@ -35,7 +35,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from fedsim import errors, override_check
 from fedsim.config import compose, flower_env, quiet_loggers
@@ -105,11 +105,35 @@ def _warn_direction(cfg: DictConfig, hc) -> None:
         )
 
 
+def hide_secrets(cfg: DictConfig, hc) -> None:
+    """Put ``<secret>`` in place of the secrets' values (``schema.SECRET_KEYS``) in the files Hydra wrote for this
+    job (``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml``) and the sweep's ``multirun.yaml``: the
+    checkpoint keeps them, the run folder can be shared."""
+    from fedsim import schema
+
+    names = [key.rsplit(".", 1)[-1] for key in schema.SECRET_KEYS if OmegaConf.select(cfg, key) is not None]
+    if not names:
+        return
+    value = re.compile(rf"(\b(?:{'|'.join(map(re.escape, names))})\s*[:=]\s*)[\"']?[^\s\"',\]}}]+[\"']?")
+    files = list((Path(hc.runtime.output_dir) / ".hydra").glob("*.yaml"))
+    if hc.mode == RunMode.MULTIRUN:
+        files.append(Path(hc.sweep.dir) / "multirun.yaml")
+    for path in files:
+        with contextlib.suppress(OSError):
+            text = path.read_text(encoding="utf-8")
+            hidden = value.sub(lambda m: m.group(1) + schema.SECRET, text)
+            if hidden != text:
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text(hidden, encoding="utf-8")
+                os.replace(tmp, path)
+
+
 def _run_job(cfg: DictConfig) -> dict | None:
     global EXIT_STATUS
     from fedsim.run import run_experiment
 
     hc = HydraConfig.get()
+    hide_secrets(cfg, hc)
     quiet_loggers()
     progress_to_log_file()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from fedsim import __version__, build, checkpoint, schema
 from fedsim.algorithms import state as client_state
-from fedsim.callbacks import Callbacks
+from fedsim.callbacks import Callbacks, redact
 from fedsim.config import quiet_loggers
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
@@ -449,7 +449,7 @@ class Run:
                 "target_sim_time": reached.sim_time if reached else None,
                 "target_wall_time": reached.wall_time if reached else None,
                 **base.summary_fields(self.strategy),
-                "config": self.exp.resolved,
+                "config": redact(self.exp.resolved),  # without its secrets (schema.SECRET_KEYS)
                 "versions": versions(),
             }
         )

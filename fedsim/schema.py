@@ -40,6 +40,11 @@ MALICIOUS = "malicious"
 BYTES_UP = "bytes_up"
 BYTES_DOWN = "bytes_down"
 
+# Config keys (dotted) whose values are secrets: written only to checkpoint.pt (a resumed run needs them), never
+# to summary.json, Hydra's .hydra/ files, a logger, a callback or a sweep summary.
+SECRET_KEYS = ("clipping.noise_seed",)
+SECRET = "<secret>"  # what stands in their place
+
 # Fields measured on the wall clock: they differ between two runs that compute the same thing.
 WALL_CLOCK = (WALL_TIME, ROUND_TIME)
 

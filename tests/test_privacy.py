@@ -303,6 +303,49 @@ def test_a_resumed_dp_run_keeps_its_drawn_noise_seed(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
+def test_an_operator_seed_stays_in_the_checkpoint_and_a_resume_without_it_is_the_same_run(tmp_path):
+    """summary.json holds no noise seed (its config says ``<secret>``'s absence); resuming without restating
+    the seed takes it from the checkpoint, and the run is the uninterrupted one, bit for bit."""
+    seed = "340282366920938463463374607431768211297"
+    over = ["clipping=fixed", "clipping.noise_multiplier=0.5", "checkpoint_every=2"]
+    part = run_tiny(tmp_path / "part", *over, "num_rounds=4", f"clipping.noise_seed={seed}")
+    assert seed not in json.dumps(part) and part["noise_seed_source"] == "operator"
+    assert "noise_seed" not in part["config"]["clipping"]
+    assert seed not in (tmp_path / "part" / "summary.json").read_text()
+    run_tiny(tmp_path / "resumed", *over, "num_rounds=6", f"resume={tmp_path / 'part'}")
+    run_tiny(tmp_path / "full", *over, "num_rounds=6", f"clipping.noise_seed={seed}")
+    assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
+        read_metrics(tmp_path / "full")
+    )
+    a, b = torch.load(tmp_path / "resumed" / "model.pt"), torch.load(tmp_path / "full" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_the_sweep_and_run_folders_hold_the_noise_seed_only_in_the_checkpoint(tmp_path):
+    """Hydra's own files (.hydra/config.yaml, hydra.yaml, overrides.yaml, the sweep's multirun.yaml), summary.json
+    and the sweep summary show ``<secret>`` where the operator's noise seed was."""
+    import os
+    import subprocess
+    import sys
+
+    from fedsim.config import FLOWER_ENV
+
+    seed = "340282366920938463463374607431768211297"
+    cmd = [sys.executable, "-m", "fedsim", "-m", "num_clients=6", "clients_per_round=3", "num_rounds=1"]
+    cmd += ["clipping=fixed", "clipping.noise_multiplier=1", f"clipping.noise_seed={seed}", "seed=0"]
+    cmd += [f"hydra.sweep.dir={tmp_path}", "progress=lines"]
+    done = subprocess.run(cmd, env={**os.environ, **FLOWER_ENV}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "checkpoint.pt"]
+    names = {p.name for p in files}
+    assert {"multirun.yaml", "overrides.yaml", "config.yaml", "hydra.yaml", "summary.json"} <= names, names
+    leaking = [str(p.relative_to(tmp_path)) for p in files if seed.encode() in p.read_bytes()]
+    assert not leaking
+    assert "clipping.noise_seed=<secret>" in next(tmp_path.rglob("overrides.yaml")).read_text()
+
+
 # ---------------------------------------------------------------- 4. operator-set noise seeds and their export
 @pytest.mark.parametrize("noise_seed", [1, 4321, 2**63 - 1])
 def test_a_guessable_noise_seed_is_refused_in_one_line(noise_seed):
