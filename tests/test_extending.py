@@ -452,3 +452,68 @@ def test_a_feature_with_a_server_and_a_client_half_is_new_files_only(tmp_path, m
     assert summary["status"] == "completed" and len(summary["tags"]) == 2
     for tags in summary["tags"]:  # one tag per reply: the client half ran on both clients of each round
         assert len(set(tags)) == 2 and all(t in (0.0, 10.0, 20.0, 30.0) for t in tags), tags
+
+
+# ------------------------------------------------------------- a strategy with a client-side setting
+LR_SCALE = '''
+import torch
+
+from fedsim.algorithms.base import LocalSGD
+from fedsim.strategies.fedavg import FedAvg
+from flwr.app import ConfigRecord
+
+KEY = "lr-scale"
+
+
+class ScaledAvg(FedAvg):
+    """FedAvg that asks its clients to scale their step size (a client-side setting of its own)."""
+
+    client_algorithm = "lrscale.ScaledSGD"
+
+    def __init__(self, scale=0.25, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = float(scale)
+
+    def configure_train(self, server_round, arrays, config, grid):
+        config = ConfigRecord({**dict(config.items()), KEY: self.scale})
+        return super().configure_train(server_round, arrays, config, grid)
+
+
+class ScaledSGD(LocalSGD):
+    """Plain SGD with the gradients scaled by the strategy's lr-scale (the same as scaling the step size)."""
+
+    def on_gradients(self, run):
+        scale = float(run.instruction.unhandled[KEY])
+        with torch.no_grad():
+            for _, p in run.params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+'''
+
+
+def test_a_strategy_with_a_client_side_setting_is_new_files_only_and_agrees_on_every_engine(
+    tmp_path, monkeypatch
+):
+    """The composition issue's lr-scale case, by the algorithm route: the strategy sends its key, its client
+    algorithm reads it; ``inprocess`` and ``auto`` give the same model, unlike plain FedAvg."""
+    from fedsim.run import run_experiment
+
+    (tmp_path / "conf" / "strategy").mkdir(parents=True)
+    (tmp_path / "lrscale.py").write_text(LR_SCALE)
+    (tmp_path / "conf" / "strategy" / "scaled.yaml").write_text("_target_: lrscale.ScaledAvg\nscale: 0.25\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("lrscale", None)
+    search = [str(tmp_path / "conf")]
+    over = [*TINY[:2], "quiet=true", "num_rounds=2", "client.optimizer=sgd"]
+    models = {}
+    for name, extra in (
+        ("in", ["engine=inprocess"]),
+        ("auto", ["engine=auto"]),
+        ("avg", ["strategy=fedavg"]),
+    ):
+        strategy = [] if name == "avg" else ["strategy=scaled"]
+        run_experiment(compose(*over, *strategy, *extra, searchpath=search), tmp_path / name)
+        models[name] = torch.load(tmp_path / name / "model.pt")
+    sys.modules.pop("lrscale", None)
+    assert all(torch.allclose(models["in"][k], models["auto"][k], atol=1e-6) for k in models["in"])
+    assert any(not torch.allclose(models["in"][k], models["avg"][k], atol=1e-4) for k in models["in"])
