@@ -130,12 +130,9 @@ def hide_secrets(cfg: DictConfig, hc) -> None:
 
 def _run_job(cfg: DictConfig) -> dict | None:
     global EXIT_STATUS
-    from fedsim.run import run_experiment
-
     hc = HydraConfig.get()
     hide_secrets(cfg, hc)
     quiet_loggers()
-    progress_to_log_file()
     choices = {k: v for k, v in hc.runtime.choices.items() if not k.startswith("hydra")}
     multirun = hc.mode == RunMode.MULTIRUN
     if multirun:  # a sweep folder used again: no earlier job's result may stand for this one
@@ -143,6 +140,12 @@ def _run_job(cfg: DictConfig) -> dict | None:
         for name in ("summary.json", "error.txt"):
             (Path(hc.runtime.output_dir) / name).unlink(missing_ok=True)
     try:
+        from fedsim.validate import validate
+
+        validate(cfg)  # the run's own knobs first: a config error comes before torch and Flower are imported
+        progress_to_log_file()
+        from fedsim.run import run_experiment
+
         summary = run_experiment(cfg, hc.runtime.output_dir, choices)
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)

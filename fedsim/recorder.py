@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fedsim import progress, schema
 from fedsim.errors import ConfigError, critical, write_error
 from fedsim.figures import plot_curves
@@ -103,6 +101,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """``torch.save`` through a temp file and a rename (and no temp file left behind on failure)."""
+    import torch
+
     _atomic(Path(path), lambda f: torch.save(obj, f))
 
 

@@ -16,10 +16,10 @@ mean squared error with R² as its metric. A user's own task is a ``_target_`` n
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:  # torch is imported where a loss is computed: reading a task's name and metric needs none
+    import torch
 
 __all__ = ["Classification", "Regression", "Task"]
 
@@ -67,7 +67,9 @@ class Classification(Task):
     targets = "classes"
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return F.cross_entropy(out, y, reduction=reduction)
+        from torch.nn.functional import cross_entropy
+
+        return cross_entropy(out, y, reduction=reduction)
 
     def score(self, out: torch.Tensor, y: torch.Tensor) -> float:
         return int((out.argmax(1) == y).sum())
@@ -94,7 +96,9 @@ class Regression(Task):
         return out.squeeze(-1) if out.dim() > 1 and out.shape[-1] == 1 else out
 
     def loss(self, out: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        return F.mse_loss(self._pred(out), y, reduction=reduction)
+        from torch.nn.functional import mse_loss
+
+        return mse_loss(self._pred(out), y, reduction=reduction)
 
     def score(self, out: torch.Tensor, y: torch.Tensor) -> float:
         return float(((self._pred(out).double() - y.double()) ** 2).sum())  # the batch's squared errors

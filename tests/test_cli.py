@@ -231,3 +231,16 @@ def test_help_names_the_command_and_its_three_uses(tmp_path):
     for use in ("fedsim key=value", "fedsim -m ", "fedsim --cfg job"):
         assert use in out.stdout, use
     assert "strategy: " in out.stdout  # Hydra's list of groups and options follows
+
+
+def test_a_config_error_comes_before_torch_and_flower_are_imported(tmp_path):
+    """The run's own knobs are checked first: ``fedsim num_rounds=-1`` says so without importing torch or flwr
+    (half of a full run's start-up time)."""
+    cmd = [sys.executable, "-X", "importtime", "-m", "fedsim", "num_rounds=-1", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "num_rounds=-1 is not allowed" in done.stderr
+    imported = {
+        ln.rsplit("|", 1)[-1].strip() for ln in done.stderr.splitlines() if ln.startswith("import time:")
+    }
+    assert "fedsim.cli" in imported and "fedsim.validate" in imported
+    assert not {"torch", "flwr"} & imported, sorted({"torch", "flwr"} & imported)
