@@ -574,8 +574,7 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
         if base.is_async(strategy):
             why, expected = cls.async_refusal(section, cfg[section], strategy)
             raise composition.CompositionError(section, why, expected)
-        takes = set(_parameters(f"{cls.__module__}.{cls.__qualname__}"))
-        extra = {k: v for k, v in run_values.items() if k in takes}
+        extra = {k: v for k, v in run_values.items() if _takes(cls, k)}
         strategy = _instantiate(section, cfg[section], strategy=strategy, **extra)
     return strategy
 
@@ -588,6 +587,14 @@ def _check_async(cfg: DictConfig, strategy) -> None:
         raise e.with_prefix("strategy") from None
     if cfg.get("federated_eval"):
         raise ConfigError("federated_eval", True, "false with an asynchronous strategy")
+
+
+def _takes(cls: type, name: str) -> bool:
+    """Whether ``cls(...)`` accepts the keyword ``name`` (by name, or through ``**kwargs``)."""
+    import inspect
+
+    params = inspect.signature(cls).parameters
+    return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
 # Config sections whose ``_target_`` other builders instantiate: never a strategy wrapper.

@@ -218,6 +218,18 @@ def _conf_dir() -> Path:
     return Path(fedsim.conf.__file__).parent
 
 
+def option_of(group: str, cls: type) -> str:
+    """The option of fedsim's config ``group`` whose ``_target_`` is ``cls`` (``attack=label_flip``), else
+    :func:`name_of` (a user's own class)."""
+    target = f"{cls.__module__}.{cls.__qualname__}"
+    folder = _conf_dir() / group
+    for path in sorted(folder.glob("*.yaml")) if folder.is_dir() else []:
+        node = yaml.safe_load(path.read_text()) or {}
+        if isinstance(node, dict) and node.get("_target_") == target:
+            return path.stem
+    return name_of(cls)
+
+
 def off_option(group: str) -> str:
     """The option of fedsim's config ``group`` that turns it off (no ``_target_``), e.g. ``attack=none``;
     ``none`` for a group fedsim does not ship."""

@@ -54,10 +54,10 @@ class Wrapper(Strategy):
     @classmethod
     def async_refusal(cls, section: str, node: Any, strategy: object) -> tuple[str, str]:
         """Why it does not wrap the asynchronous ``strategy``, and what to choose instead (one line each)."""
-        from fedsim.strategies.composition import name_of, off_option
+        from fedsim.strategies.composition import name_of, off_option, option_of
 
         why = (
-            f"{section}={name_of(cls)} does not compose with strategy={name_of(strategy)}, an asynchronous "
+            f"{section}={option_of(section, cls)} does not compose with strategy={name_of(strategy)}, an asynchronous "
             f"strategy: {cls.async_reason}"
         )
         return why, f"{section}={off_option(section)} with an asynchronous strategy"
