@@ -553,4 +553,8 @@ def test_a_client_algorithm_with_state_is_new_files_only(tmp_path, monkeypatch, 
     run_experiment(cfg, tmp_path / "run")
     sys.modules.pop("counting", None)
     lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [ln.get("task_count") for ln in lines if ln.get("round")] == [1.0, 2.0, 3.0]  # metrics.jsonl: snake_case
+    assert [ln.get("task_count") for ln in lines if ln.get("round")] == [
+        1.0,
+        2.0,
+        3.0,
+    ]  # metrics.jsonl: snake_case

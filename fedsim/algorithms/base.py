@@ -81,7 +81,8 @@ class ClientAlgorithm:
         What per-client state never leaves the client (named in the README's privacy table).
     batched : bool
         The vectorized engine may train it as one batched model (only plain local SGD with FedProx's term,
-        which it implements itself); otherwise its clients run through the ClientApp.
+        which it implements itself); otherwise its clients run through the ClientApp. Read from the class's
+        own body only: a subclass (of ``LocalSGD``, say) is not batched unless it says so again.
     """
 
     stateful = False

@@ -77,6 +77,12 @@ IMPLEMENTS = frozenset({keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, *DRAW_I
 HALVES = frozenset(f"fedsim.algorithms.halves.{name}" for name in ("Compress", "LabelFlip", "ProbeTrain"))
 
 
+def _declares_batched(algorithm: object) -> bool:
+    """True when the algorithm's own class declares ``batched = True``: a subclass of a batched algorithm (one
+    that overrides a hook, say) does not inherit it, so the engine never skips hooks it does not run."""
+    return vars(type(algorithm)).get("batched") is True
+
+
 @functools.lru_cache(maxsize=64)
 def _unknown_halves(spec: str) -> tuple[str, ...]:
     """The client halves ``spec`` names that this engine does not implement."""
@@ -304,7 +310,7 @@ class VectorizedGrid(PoolGrid):
         except Exception:  # noqa: BLE001  (the ClientApp turns it into this client's error reply)
             return None
         reason = None
-        if task.algorithm is not None and not task.algorithm.batched:
+        if task.algorithm is not None and not _declares_batched(task.algorithm):
             reason = f"client algorithm {type(task.algorithm).__name__}"
         elif extra:
             reason = "extra arrays in the train message"
