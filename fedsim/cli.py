@@ -146,6 +146,7 @@ def _run_job(cfg: DictConfig) -> dict | None:
         progress_to_log_file()
         from fedsim.run import run_experiment
 
+        errors.raise_pending()
         summary = run_experiment(cfg, hc.runtime.output_dir, choices)
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
@@ -436,8 +437,10 @@ def _main() -> None:
         print(f"fedsim: config error: {msg}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     try:
+        errors.raise_pending()  # check points of the start: a SIGTERM noted so far ends the command here
         sys.argv += prepare_folders(argv)
         _hydra_main()
+        errors.raise_pending()  # one that came after the last run (or between its end and the exit)
     except ConfigError as e:
         print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG)

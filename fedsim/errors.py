@@ -157,8 +157,24 @@ class SignalGuard:
         self.is_stopping = True
 
 
-def _interrupt(signum: int, frame=None) -> None:
-    raise Interrupted(signum)
+_PENDING: list[int] = []  # a SIGTERM/SIGHUP noted while the command starts, raised at its next check point
+
+
+def _defer(signum: int, frame=None) -> None:
+    """While the command starts (after its imports): note the signal; :func:`raise_pending` raises it.
+
+    Raising at once would raise inside whatever third-party code runs (an import, Hydra), where a broad
+    ``except`` can swallow it: the signal would be lost and the run would go on to its end."""
+    if not _PENDING:
+        _PENDING.append(signum)
+
+
+def raise_pending() -> None:
+    """Raise :class:`Interrupted` for a signal :func:`_defer` noted (a check point of the command's start)."""
+    if _PENDING:
+        signum = _PENDING[0]
+        _PENDING.clear()
+        raise Interrupted(signum)
 
 
 def _exit_at_once(signum: int, frame=None) -> None:
@@ -174,9 +190,10 @@ def interrupt_from_now_on(importing: bool = False) -> None:
     """For the ``fedsim`` command, from its first line: SIGTERM and SIGHUP (and, while ``importing``, Ctrl-C)
     end it with 128 + N and one line, never a bare -15 or a traceback.
 
-    While ``importing`` (nothing written yet) the process exits at once; after that they raise
-    :class:`Interrupted` as Ctrl-C raises ``KeyboardInterrupt`` (and a run's :func:`signals` guard takes over
-    while it runs). Signals the caller ignores (``nohup``) stay ignored.
+    While ``importing`` (nothing written yet) the process exits at once; after that SIGTERM and SIGHUP are noted
+    and raised as :class:`Interrupted` at the start's check points (:func:`raise_pending`: before the run folder
+    is prepared, when a job starts, when a run's :func:`signals` guard takes over, when the command ends), and
+    Ctrl-C raises ``KeyboardInterrupt`` as usual. Signals the caller ignores (``nohup``) stay ignored.
     """
     names = ("SIGTERM", "SIGHUP", "SIGINT") if importing else ("SIGTERM", "SIGHUP")
     for name in names:
@@ -184,7 +201,7 @@ def interrupt_from_now_on(importing: bool = False) -> None:
         if sig is None or signal.getsignal(sig) is signal.SIG_IGN:
             continue
         if importing or signal.getsignal(sig) in (signal.SIG_DFL, _exit_at_once):
-            signal.signal(sig, _exit_at_once if importing else _interrupt)
+            signal.signal(sig, _exit_at_once if importing else _defer)
     if not importing and signal.getsignal(signal.SIGINT) is _exit_at_once:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
@@ -223,6 +240,7 @@ def signals():
                 previous[sig] = signal.signal(sig, g.handle)
         _GUARD = g
         try:
+            raise_pending()  # a signal noted while the command started: the run ends before it begins
             yield g
         finally:
             _GUARD = None
