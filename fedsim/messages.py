@@ -266,18 +266,40 @@ class StackedReplies:
         if len(weights) != len(self):
             raise ValueError(f"need one weight per row, got {len(self)} rows and {len(weights)} weights")
         w = normalised_weights(weights)
-        out = {}
-        for n, t in self.arrays.items():
-            x = t.detach()
-            if x.device.type == "cpu":  # numpy: one thread, whatever torch's thread count
-                terms = x.numpy().astype(np.float64) * w.reshape(-1, *([1] * (x.dim() - 1)))
-                acc = terms[0].copy()
-                for term in terms[1:]:
-                    acc += term
-                out[n] = acc
-            else:
-                out[n] = device_mean(x, w).cpu().numpy()
-        return out
+        tensors = {n: t.detach() for n, t in self.arrays.items()}
+        if all(x.device.type == "cpu" for x in tensors.values()) and (
+            sum(x.numel() for x in tensors.values()) <= HOST_MEAN_AT_ONCE
+        ):
+            return host_mean(tensors, w)
+        return {
+            n: host_mean({n: x}, w)[n] if x.device.type == "cpu" else device_mean(x, w).cpu().numpy()
+            for n, x in tensors.items()
+        }
+
+
+# values of a cohort's stacked models up to which the CPU mean takes every parameter in one matrix (a float64 copy
+# of them all, 32 MiB); larger cohorts or models take one parameter at a time (a float64 copy of the largest)
+HOST_MEAN_AT_ONCE = 1 << 22
+
+
+def host_mean(tensors: dict[str, torch.Tensor], w: np.ndarray) -> dict[str, np.ndarray]:
+    """``sum_i w[i] x[i]`` in float64 of CPU tensors ``(rows, *shape)``, with numpy (one thread, whatever torch's
+    thread count): every tensor at once as one ``(rows, values)`` matrix, each value the same products and sums in
+    the same order as ``fedsim.strategies.aggregate.weighted_mean`` (``acc = w[0] x[0]``, then ``+= w[i] x[i]``).
+    The results are views into one buffer."""
+    flat = [x.numpy().reshape(len(w), -1) for x in tensors.values()]
+    if not flat:
+        return {}
+    terms = (flat[0] if len(flat) == 1 else np.concatenate(flat, axis=1)).astype(np.float64)  # a copy
+    terms *= w[:, None]
+    acc = terms[0].copy()
+    for term in terms[1:]:
+        acc += term
+    out, start = {}, 0
+    for (n, x), f in zip(tensors.items(), flat):
+        out[n] = acc[start : start + f.shape[1]].reshape(x.shape[1:])
+        start += f.shape[1]
+    return out
 
 
 def device_mean(x: torch.Tensor, w: np.ndarray, rows: int = 64) -> torch.Tensor:

@@ -288,3 +288,118 @@ def test_static_buffer_step_of_the_cuda_graph_equals_the_eager_steps(model):
     for n in eager:
         assert torch.equal(static[n], eager[n]), n
     assert not torch.equal(eager[n], start[n].expand_as(eager[n]))
+
+
+# ------------------------------------------------------------------------ the engine's per-client caches
+def _uncached() -> None:
+    """Forget everything the engine caches per client, per step lengths and per model."""
+    vectorized._layout.cache_clear()
+    vectorized._steps.cache_clear()
+    vectorized._MODEL_INFO.clear()
+
+
+def _stacked_round(grid, spec, arrays, rnd, nodes, limits):
+    """One round's train messages (``limits``: node -> its step limit, as the loop writes partial work) run on
+    ``grid``; the stacked replies, which must cover the whole cohort."""
+    from flwr.app import ConfigRecord, MessageType, RecordDict
+
+    from fedsim import keys
+
+    def content(limit):
+        cfg = {keys.RUN_SPEC: spec, keys.SERVER_ROUND: rnd}
+        if limit is not None:
+            cfg[keys.MAX_STEPS] = limit
+        return RecordDict({keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord(cfg)})
+
+    shared = content(None)
+    msgs = [
+        grid.create_message(content(limits[n]) if n in limits else shared, MessageType.TRAIN, n, "")
+        for n in nodes
+    ]
+    replies, stacked = grid.send_and_receive_stacked(msgs)
+    assert replies == [] and len(stacked) == len(nodes)
+    return stacked
+
+
+def test_cached_client_plans_give_what_a_fresh_engine_gives_round_after_round():
+    """The plans a grid keeps across rounds (task lookup, checks, step lengths, passes, group), against a new grid
+    with every cache cleared, each round: the same stacked replies bit for bit, while the cohort, the clients'
+    step limits (partial work) and the round (the clients' seeds) change; a task built anew (the client tasks
+    released) gets a new plan."""
+    from flwr.app import ArrayRecord
+
+    from fedsim import keys
+
+    spec = build.client_spec(compose_cfg("num_clients=6"), "cpu")
+    arrays = ArrayRecord(
+        build.build_initial_model(json.loads(spec)).state_dict()
+    )  # the same start every round
+    rounds = [
+        (1, [1, 2, 3], {}),
+        (2, [1, 2, 3], {}),
+        (3, [2, 4, 5], {2: 3}),
+        (4, [2, 4, 5, 6], {2: 5, 4: 1}),
+        (5, [1, 2, 3], {}),
+    ]
+    rows: dict[int, list[dict]] = {}
+    with vectorized.VectorizedGrid(6, threads=1) as kept:
+        for rnd, nodes, limits in rounds:
+            if rnd == 5:  # a sweep's next job: new tasks (new data and model objects), so new plans
+                build.release_client_tasks()
+            got = _stacked_round(kept, spec, arrays, rnd, nodes, limits)
+            _uncached()
+            with vectorized.VectorizedGrid(6, threads=1) as fresh:
+                want = _stacked_round(fresh, spec, arrays, rnd, nodes, limits)
+            assert got.metrics == want.metrics, rnd
+            assert got.arrays.keys() == want.arrays.keys()
+            assert all(torch.equal(got.arrays[n], want.arrays[n]) for n in want.arrays), rnd
+            for i, (node, m) in enumerate(zip(got.node_ids, got.metrics)):
+                if node in limits:
+                    assert m[keys.NUM_STEPS] == limits[node]
+                rows.setdefault(node, []).append({n: t[i] for n, t in got.arrays.items()})
+        # one plan per client and step limit, reused across rounds (round 5's after the release)
+        assert len(kept._plans) == len({(n, limits.get(n)) for _, nodes, limits in rounds for n in nodes})
+        for (_, pid, limit, _), plan in kept._plans.items():  # round 5's clients: plans of their new tasks
+            if pid + 1 in rounds[-1][1] and limit is None:
+                assert plan.task() is build.client_task(spec, pid)
+    # the same client from the same start model in rounds 1, 2 and 5: its own seed each round, another model
+    for a, b in ((0, 1), (1, 2), (0, 2)):
+        assert not torch.equal(rows[1][a]["1.weight"], rows[1][b]["1.weight"])
+
+
+@pytest.mark.slow
+def test_a_run_with_the_engine_caches_equals_one_without(tmp_path, monkeypatch):
+    """engine=auto over rounds whose cohorts and deadlines (partial work) change: metrics.jsonl (wall clock
+    aside) and model.pt bit for bit with the per-client plans kept and with every plan and cache rebuilt for each
+    client and round; the kept run builds fewer plans than it trains clients."""
+    over = [
+        "num_rounds=5",
+        "strategy=fedprox",
+        "heterogeneity=lognormal",
+        "heterogeneity.deadline=0.4",
+        "heterogeneity.partial_work=true",
+    ]
+    calls, grids = [], []
+    original = vectorized.VectorizedGrid._plan
+
+    def counting(self, ins, pid):
+        calls.append(pid)
+        grids.append(self)
+        return original(self, ins, pid)
+
+    monkeypatch.setattr(vectorized.VectorizedGrid, "_plan", counting)
+    run_tiny(tmp_path / "kept", *over)
+    records = read_metrics(tmp_path / "kept")
+    assert any(r.get("partial_work") for r in records)  # step limits change between rounds
+    assert len(grids[-1]._plans) < len(calls)  # plans reused across rounds
+
+    def rebuilt(self, ins, pid):
+        self._plans.clear()
+        _uncached()
+        return original(self, ins, pid)
+
+    monkeypatch.setattr(vectorized.VectorizedGrid, "_plan", rebuilt)
+    run_tiny(tmp_path / "rebuilt", *over)
+    assert without_wall_time(records) == without_wall_time(read_metrics(tmp_path / "rebuilt"))
+    ma, mb = torch.load(tmp_path / "kept" / "model.pt"), torch.load(tmp_path / "rebuilt" / "model.pt")
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -203,6 +204,9 @@ class PoolGrid(Grid):
         TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
         self._contexts: dict[int, Context] = {}  # made on first use: 10^5 nodes cost nothing up front
         self._pending: dict[str, Message] = {}
+        # message ids: unique per grid (a random prefix) and across its messages (a counter); a uuid4 per message
+        # cost a few microseconds each
+        self._id_prefix, self._id_count = f"{uuid4()}-", itertools.count()
         self._sizes: dict[int, int] = {}  # node id -> training examples (from query replies)
         self._checked_specs: set[str] = set()
         self._app = None
@@ -230,7 +234,7 @@ class PoolGrid(Grid):
         for msg in messages:
             if not 1 <= msg.metadata.dst_node_id <= self._n:
                 continue  # like Flower's simulation: unknown destinations are dropped
-            mid = str(uuid4())
+            mid = f"{self._id_prefix}{next(self._id_count)}"
             msg.metadata.__dict__["_message_id"] = mid
             self._pending[mid] = msg
             ids.append(mid)

@@ -6,7 +6,9 @@ the ClientApp once per client, stacks the clients' parameters (``(clients, *shap
 cohort at a time. Each client still takes exactly its own steps on its own batches in the same order as the
 sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same partial last batch):
 
-1. schedule: per client, the index list of every step, from the generator the ClientApp would seed;
+1. schedule: per client, the index list of every step, from the generator the ClientApp would seed (what
+   does not change between rounds, the client's task, checks, step lengths and group, is kept in its plan,
+   ``_Plan``: a round seeds the generators and draws the batch orders);
 2. bucket: clients grouped by batch size (powers of two), so padding wastes at most half a batch; inside a
    bucket, clients are sorted by step count and step ``t`` trains only the prefix still active, so no client
    takes an extra step (momentum buffers and weight decay included);
@@ -38,6 +40,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -67,6 +70,7 @@ from fedsim.training import LocalTraining, batch_size_for, num_local_steps
 log = logging.getLogger("fedsim")
 
 VECTOR_OPTIMIZERS = ("sgd", "momentum", "nesterov")
+PLANS = 4096  # clients' plans kept (as many as fedsim.build.client_task keeps tasks); then they start again
 # The train-config keys this engine implements. A message with any other key runs through the ClientApp (one
 # INFO line the first time): a key fedsim does not know, and one a user taught the parser
 # (``fedsim.messages.parse_train``) but not this engine, so no client-side setting is dropped silently.
@@ -103,31 +107,64 @@ class _Client:
     batches: Sequence[torch.Tensor] = field(default_factory=list)  # example indices of every step, in order
     proximal_mu: float = 0.0
     ins: TrainInstruction | None = None
+    plan: _Plan | None = None  # what is the same every round (the engine's cache)
+
+
+class _Steps:
+    """What follows from a client's step lengths alone, computed once per lengths (:func:`_steps`): the
+    lengths, their sum, the widest step, the batch-size bucket, each step's offset into the step order, and the
+    step, slot and loss weight of every example (the rows of the cohort's gather index, ``cohort_batches``)."""
+
+    __slots__ = ("lens", "total", "width", "bucket", "offsets", "step", "slot", "weight")
+
+    def __init__(self, lens: tuple[int, ...]) -> None:
+        counts = np.array(lens, dtype=np.int64)
+        first = np.cumsum(counts) - counts
+        self.lens, self.total = lens, int(counts.sum())
+        self.width = max(lens, default=0)
+        self.bucket = self.width.bit_length()
+        self.offsets = tuple(int(v) for v in first)
+        self.step = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
+        self.slot = np.arange(self.total, dtype=np.int64) - np.repeat(first, counts)
+        self.weight = np.repeat(1.0 / counts.astype(np.float64), counts)  # a client's mean over its batch
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(lens: tuple[int, ...]) -> _Steps:
+    return _Steps(lens)
 
 
 class Schedule(Sequence):
-    """The example indices of each local step (a sequence of index tensors), held as one tensor of every
-    step's indices in order (``order``) and the steps' lengths (``lens``)."""
+    """The example indices of each local step (a sequence of index tensors), held as the permutations of the
+    passes over the data (``parts``, the last one cut where the steps end: one after the other, every step's
+    indices in order, ``order``) and the steps' lengths (``info``, shared by the clients whose steps have the same
+    lengths)."""
 
-    __slots__ = ("order", "lens")
+    __slots__ = ("parts", "info", "steps", "_order")
 
-    def __init__(self, order: torch.Tensor, lens: tuple[int, ...]) -> None:
-        self.order, self.lens = order, lens
+    def __init__(self, parts: Sequence[torch.Tensor], info: _Steps) -> None:
+        self.parts, self.info, self.steps, self._order = parts, info, len(info.lens), None
+
+    @property
+    def order(self) -> torch.Tensor:
+        if self._order is None:
+            parts = self.parts
+            self._order = parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else _EMPTY
+        return self._order
+
+    @property
+    def lens(self) -> tuple[int, ...]:
+        return self.info.lens
 
     def __len__(self) -> int:
-        return len(self.lens)
+        return self.steps
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        i = range(len(self.lens))[i]
-        start = _offsets(self.lens)[i]
-        return self.order[start : start + self.lens[i]]
-
-
-@functools.lru_cache(maxsize=1024)
-def _offsets(lens: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(int(v) for v in np.cumsum((0, *lens[:-1])))
+        i = range(len(self.info.lens))[i]
+        start = self.info.offsets[i]
+        return self.order[start : start + self.info.lens[i]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -138,23 +175,47 @@ def _step_lens(n: int, bs: int, steps: int) -> tuple[int, ...]:
     return (one_pass * -(-steps // len(one_pass)))[:steps]
 
 
+def _info(batches) -> _Steps:
+    """The step lengths of a client's batches and what follows from them."""
+    return batches.info if isinstance(batches, Schedule) else _steps(tuple(len(b) for b in batches))
+
+
 def _lens(batches) -> tuple[int, ...]:
     """The length of each step's batch."""
-    return batches.lens if isinstance(batches, Schedule) else tuple(len(b) for b in batches)
+    return _info(batches).lens
+
+
+def _parts(batches) -> Sequence[torch.Tensor]:
+    """Tensors that, one after the other, hold every step's example indices in order."""
+    return batches.parts if isinstance(batches, Schedule) else batches
+
+
+_EMPTY = torch.zeros(0, dtype=torch.long)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layout(n: int, cfg: LocalTraining, max_steps: int | None) -> tuple[_Steps, int]:
+    """The steps of a client with ``n`` examples and the passes over its data they take."""
+    bs = batch_size_for(n, cfg)
+    steps = num_local_steps(n, cfg, max_steps)
+    info = _steps(_step_lens(n, bs, steps) if n > 0 and bs > 0 and steps > 0 else ())
+    return info, -(-info.total // n) if info.total else 0
+
+
+def _draw(n: int, info: _Steps, passes: int, gen: torch.Generator) -> Schedule:
+    """The schedule of steps ``info``: one seeded ``randperm`` per pass over the ``n`` examples, as
+    ``fedsim.training.train_local`` draws them."""
+    parts = [torch.randperm(n, generator=gen) for _ in range(passes)]
+    cut = passes * n - info.total  # the last pass ends early
+    if cut:
+        parts[-1] = parts[-1][: n - cut]
+    return Schedule(parts, info)
 
 
 def schedule(n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None) -> Schedule:
     """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them: one
     ``randperm`` per pass over the data, split into batches, as many passes as the steps need."""
-    bs = batch_size_for(n, cfg)
-    steps = num_local_steps(n, cfg, max_steps)
-    lens = _step_lens(n, bs, steps) if n > 0 and bs > 0 and steps > 0 else ()
-    total = sum(lens)
-    passes = [torch.randperm(n, generator=gen) for _ in range(-(-total // n) if total else 0)]
-    order = (
-        passes[0] if len(passes) == 1 else torch.cat(passes) if passes else torch.zeros(0, dtype=torch.long)
-    )
-    return Schedule(order[:total], lens)
+    return _draw(n, *_layout(n, cfg, max_steps), gen)
 
 
 def unsupported(model: nn.Module, device: str, vmap_conv_cpu: bool) -> str | None:
@@ -177,6 +238,22 @@ def unsupported(model: nn.Module, device: str, vmap_conv_cpu: bool) -> str | Non
             "client on the CPU (engine.vmap_conv_cpu=true forces vmap)"
         )
     return None
+
+
+@dataclass(eq=False)
+class _Plan:
+    """What the engine needs of one client that is the same every round, for one instruction (run spec, step
+    limit, FedProx mu): kept while ``fedsim.build.client_task`` returns the same task object for the client (a
+    new task, e.g. after ``release_client_tasks``, makes a new plan). Each round only seeds the client's
+    generator and draws its batch order (``_draw``)."""
+
+    task: weakref.ref  # the task it was made for (not kept alive by the plan)
+    algorithm: str | None = None  # why it runs through the ClientApp: its client algorithm
+    reason: str | None = None  # ... or its faults, optimiser or model
+    n: int = 0  # training examples
+    info: _Steps | None = None  # its steps (``_layout``)
+    passes: int = 0  # passes over its data the steps take
+    group: tuple = ()  # (model id, local training, device, mu): clients trained together (one object per group)
 
 
 class VectorizedGrid(PoolGrid):
@@ -213,6 +290,9 @@ class VectorizedGrid(PoolGrid):
         self._reported: set[str] = set()
         self._model_checks: dict[tuple, str | None] = {}  # (model id, device) -> why it cannot be batched
         self._fits: dict[str, int] = {}  # device -> the most clients per batch that did not run out of memory
+        self._plans: dict[tuple, _Plan] = {}  # (spec, partition, max steps, mu) -> the client's plan
+        self._groups: dict[tuple, tuple] = {}  # one object per group key (grouped by identity every round)
+        self._bytes: dict[tuple, tuple] = {}  # (model id, ...) -> (model, bytes a client, chunked on the CPU)
 
     def send_and_receive_stacked(
         self, messages: Iterable[Message], *, timeout: float | None = None
@@ -228,8 +308,8 @@ class VectorizedGrid(PoolGrid):
         done, parts = self._run_stacked(batch, None if timeout is None else time.monotonic() + timeout)
         stacked = StackedReplies.concat(parts) if parts and not done and len(ids) == len(messages) else None
         if stacked is not None and len(stacked) == len(ids):
-            row = {msg.metadata.message_id: i for i, msg in enumerate(stacked.messages)}
-            return [], stacked.take([row[mid] for mid in ids])
+            row = {id(msg): i for i, msg in enumerate(stacked.messages)}  # the messages pushed, as they were
+            return [], stacked.take([row[id(msg)] for msg in batch])
         for part in parts:
             done.update(_by_id(part))
         return [done[mid] for mid in ids if mid in done], None
@@ -246,18 +326,19 @@ class VectorizedGrid(PoolGrid):
         """Run ``batch``: the replies of the messages run through the ClientApp (by message id), and the
         stacked replies of those trained batched."""
         # strategies send one RecordDict (config, ArrayRecord) to the whole cohort: read and convert it once
-        shared: dict[tuple, tuple] = {}
+        shared: dict[int, tuple] = {}
         prepared = [(msg, self._prepare(msg, shared)) for msg in batch]
         todo = [c for _, c in prepared if c is not None]
         rows = [c.ins.generator_row(c.task.seed, c.task.partition_id) for c in todo]
         for c, gen in zip(todo, torch_generators(rows)):  # the cohort's seeds computed together
-            c.batches = schedule(int(c.task.x_train.shape[0]), c.task.local, gen, c.ins.max_steps)
-        clients = [c for _, c in prepared if c is not None and c.batches]
-        done = super()._run_batch([msg for msg, c in prepared if c is None or not c.batches], deadline)
-        groups: dict[tuple, list[_Client]] = {}
+            c.batches = _draw(c.plan.n, c.plan.info, c.plan.passes, gen)  # this round's batch order
+        clients = [c for c in todo if c.plan.passes]
+        rest = [msg for msg, c in prepared if c is None or not c.plan.passes]
+        done = super()._run_batch(rest, deadline) if rest else {}
+        groups: dict[int, tuple[tuple, list[_Client]]] = {}
         for c in clients:
-            groups.setdefault((id(c.task.model), c.task.local, c.task.device, c.proximal_mu), []).append(c)
-        items = list(groups.items())
+            groups.setdefault(id(c.plan.group), (c.plan.group, []))[1].append(c)
+        items = list(groups.values())
         devices = {key[2] for key, _ in items}
         if len(devices) > 1 and all(torch.device(d).type == "cuda" for d in devices):
             # the cohort's clients sit on several GPUs (partition id mod GPUs): one thread per GPU
@@ -293,51 +374,74 @@ class VectorizedGrid(PoolGrid):
         """The batched-training view of a train message, or None to run it through the ClientApp.
 
         ``shared`` holds what the batch's messages share, read once: per RecordDict object, its instruction;
-        per ArrayRecord object, its start model.
+        per ArrayRecord object, its start model. What depends on the client alone comes from its plan.
         """
-        if msg.metadata.message_type != MessageType.TRAIN or not msg.has_content():
+        meta = msg.metadata
+        if meta.message_type != MessageType.TRAIN or not msg.has_content():
             return None
         content = msg.content
-        key = ("content", id(content))
-        if key not in shared:
-            shared[key] = (content, *self._instruction(content))
-        _, arrays, ins, extra = shared[key]
+        entry = shared.get(id(content))  # (both objects are kept in ``shared``: their ids stay unique)
+        if entry is None:
+            entry = shared[id(content)] = (content, *self._instruction(content))
+        _, arrays, ins, extra = entry
         if ins is None:
             return None
-        pid = self.partition_of(msg.metadata.dst_node_id)
-        try:
-            task = client_task(ins.spec, pid)
-        except Exception:  # noqa: BLE001  (the ClientApp turns it into this client's error reply)
+        task, plan = self._plan(ins, self.partition_of(meta.dst_node_id))
+        if plan is None:
             return None
-        reason = None
-        if task.algorithm is not None and not _declares_batched(task.algorithm):
-            reason = f"client algorithm {type(task.algorithm).__name__}"
-        elif extra:
-            reason = "extra arrays in the train message"
-        elif task.faults is not None:
-            reason = "injected faults"
-        elif task.local.optimizer not in VECTOR_OPTIMIZERS:
-            reason = f"optimizer {task.local.optimizer} (batched: {', '.join(VECTOR_OPTIMIZERS)})"
-        else:
-            key = (id(task.model), task.device)
-            if key not in self._model_checks:
-                self._model_checks[key] = unsupported(
-                    task.model, torch.device(task.device).type, self._vmap_conv_cpu
-                )
-            reason = self._model_checks[key]
+        reason = plan.algorithm or ("extra arrays in the train message" if extra else plan.reason)
         if reason is not None:
             self._skip(reason)
             return None
-        key = ("start", id(arrays))
-        if key not in shared:  # parsed once per record (shared with the server's evaluation)
-            shared[key] = (arrays, global_state(arrays), {})
-        _, start, fits = shared[key]
-        if id(task.model) not in fits:
-            shapes = {n: tuple(p.shape) for n, p in task.model.named_parameters()}
-            fits[id(task.model)] = {n: tuple(t.shape) for n, t in start.items()} == shapes
-        if not fits[id(task.model)]:
+        entry = shared.get(id(arrays))
+        if entry is None:  # parsed once per record (shared with the server's evaluation)
+            start = global_state(arrays)
+            entry = shared[id(arrays)] = (arrays, start, {n: tuple(t.shape) for n, t in start.items()}, {})
+        _, start, shapes, fits = entry
+        model = task.model
+        fit = fits.get(id(model))
+        if fit is None:
+            fit = fits[id(model)] = shapes == _model_info(model)[2]
+        if not fit:
             return None  # the ClientApp's strict load reports the mismatch
-        return _Client(msg, task, start, proximal_mu=ins.proximal_mu, ins=ins)  # its schedule comes next
+        return _Client(msg, task, start, proximal_mu=ins.proximal_mu, ins=ins, plan=plan)
+
+    def _plan(self, ins: TrainInstruction, pid: int) -> tuple[ClientTask | None, _Plan | None]:
+        """Client ``pid``'s task and plan under ``ins`` (None when its task cannot be built: the ClientApp
+        replies)."""
+        try:
+            task = client_task(ins.spec, pid)  # cached per process: the same object every round
+        except Exception:  # noqa: BLE001  (the ClientApp turns it into this client's error reply)
+            return None, None
+        key = (ins.spec, pid, ins.max_steps, ins.proximal_mu)
+        plan = self._plans.get(key)
+        if plan is not None and plan.task() is task:
+            return task, plan
+        plan = _Plan(weakref.ref(task))
+        if task.algorithm is not None and not _declares_batched(task.algorithm):
+            plan.algorithm = f"client algorithm {type(task.algorithm).__name__}"
+        elif task.faults is not None:
+            plan.reason = "injected faults"
+        elif task.local.optimizer not in VECTOR_OPTIMIZERS:
+            plan.reason = f"optimizer {task.local.optimizer} (batched: {', '.join(VECTOR_OPTIMIZERS)})"
+        else:
+            mkey = (id(task.model), task.device)
+            if mkey not in self._model_checks:
+                self._model_checks[mkey] = unsupported(
+                    task.model, torch.device(task.device).type, self._vmap_conv_cpu
+                )
+            plan.reason = self._model_checks[mkey]
+        plan.n = int(task.x_train.shape[0])
+        plan.info, plan.passes = _layout(plan.n, task.local, ins.max_steps)
+        if (
+            len(self._plans) >= PLANS or len(self._groups) >= PLANS
+        ):  # beyond the task cache's size: start again
+            self._plans.clear()
+            self._groups.clear()
+        group = (id(task.model), task.local, task.device, ins.proximal_mu)
+        plan.group = self._groups.setdefault(group, group)
+        self._plans[key] = plan
+        return task, plan
 
     def _instruction(self, content) -> tuple[ArrayRecord | None, TrainInstruction | None, bool]:
         """A train message's start model, instruction (None when no client of it can be trained batched), and
@@ -366,7 +470,7 @@ class VectorizedGrid(PoolGrid):
         """Train ``clients`` (same model, optimiser and mu) batched; their replies, stacked, a part per batch."""
         buckets: dict[int, list[_Client]] = {}
         for c in clients:
-            buckets.setdefault(max(_lens(c.batches)).bit_length(), []).append(c)
+            buckets.setdefault(_info(c.batches).bucket, []).append(c)
         threads = torch.get_num_threads()
         torch.set_num_threads(self._threads)
         try:
@@ -394,11 +498,21 @@ class VectorizedGrid(PoolGrid):
         size = len(members)
         if self._max_cohort:
             size = min(size, self._max_cohort)
-        if torch.device(device).type == "cpu" and grouped.supports(members[0].task.model):
+        model, x = members[0].task.model, members[0].task.x_train
+        width = max((_info(c.batches).lens[0] for c in members if c.batches), default=1)
+        key = (id(model), tuple(x.shape[1:]), x.dtype, local, width, mu, device)
+        known = self._bytes.get(key)
+        if known is None or known[0]() is not model:  # the same for every cohort of this model and width
+            if len(self._bytes) >= 256:
+                self._bytes.clear()
+            chunked = torch.device(device).type == "cpu" and grouped.supports(model)
+            per_client = estimate_bytes(model, x, members, local, mu)
+            known = self._bytes[key] = (weakref.ref(model), per_client, chunked)
+        _, per_client, chunked = known
+        if chunked:
             size = min(size, grouped.CPU_CHUNK)  # a few clients at a time: their activations stay in cache
         if device in self._fits:
             size = min(size, self._fits[device])
-        per_client = estimate_bytes(members[0].task.model, members[0].task.x_train, members, local, mu)
         fit = max(1, int(0.8 * free_bytes(device) // max(per_client, 1)))
         if fit < size:
             self._skip_once(
@@ -476,7 +590,7 @@ def estimate_bytes(
     model: nn.Module, x: torch.Tensor, members: list[_Client], local: LocalTraining, mu: float
 ) -> int:
     """Peak bytes one more client adds to a batched step (:func:`client_bytes`, at the cohort's batch width)."""
-    width = max((_lens(c.batches)[0] for c in members if c.batches), default=1)
+    width = max((_info(c.batches).lens[0] for c in members if c.batches), default=1)
     return client_bytes(model, x[0] if x.shape[0] else None, local, width, mu)
 
 
@@ -492,6 +606,27 @@ def client_bytes(
     return copies * param_bytes + 2 * width * per_example
 
 
+# model id -> (the model, its parameters' names in order, their shapes by name)
+_MODEL_INFO: dict[int, tuple[weakref.ref, list[str], dict[str, tuple[int, ...]]]] = {}
+
+
+def _model_info(model: nn.Module) -> tuple[weakref.ref, list[str], dict[str, tuple[int, ...]]]:
+    """``model``'s parameters' names and shapes, read once per model."""
+    known = _MODEL_INFO.get(id(model))
+    if known is None or known[0]() is not model:
+        if len(_MODEL_INFO) >= 64:
+            _MODEL_INFO.clear()
+        params = list(model.named_parameters())
+        known = (weakref.ref(model), [n for n, _ in params], {n: tuple(p.shape) for n, p in params})
+        _MODEL_INFO[id(model)] = known
+    return known
+
+
+def _names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s parameters, in order (read once per model; not to be modified)."""
+    return _model_info(model)[1]
+
+
 _DENSE: dict[tuple, dense.DenseStep | None] = {}  # (model id, task) -> the model's hand-written batched step
 
 
@@ -503,43 +638,30 @@ def _dense_step(model: nn.Module, task) -> dense.DenseStep | None:
     return _DENSE[key]
 
 
-@functools.lru_cache(maxsize=1024)
-def _slots(lens: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step index, slot in the batch and loss weight of every example of a client whose steps have ``lens``."""
-    counts = torch.tensor(lens)
-    step = torch.repeat_interleave(torch.arange(len(lens)), counts)
-    first = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
-    return step, slot, torch.repeat_interleave(1.0 / counts.double(), counts)
-
-
 def cohort_batches(
     members: list[_Client], steps: int, width: int, device: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The cohort's data in one tensor, and the gather index and loss weight of every (step, client, slot):
-    ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``."""
-    sizes = [int(c.task.x_train.shape[0]) for c in members]
+    ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``.
+
+    Each client's step, slot and weight of every example come from its step lengths (:class:`_Steps`, computed
+    once per lengths); a round adds its batch order, and the index is written with one numpy scatter."""
+    k = len(members)
+    infos = [_info(c.batches) for c in members]
     x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
     y = torch.cat([c.task.y_train for c in members])
-    t_all, s_all, v_all, w_all, counts = [], [], [], [], []
-    for c in members:
-        step, slot, w = _slots(_lens(c.batches))
-        t_all.append(step)
-        s_all.append(slot)
-        w_all.append(w)
-        counts.append(len(step))
-        v_all.append(c.batches.order if isinstance(c.batches, Schedule) else torch.cat(list(c.batches)))
-    counts = torch.tensor(counts)
-    clients = torch.repeat_interleave(torch.arange(len(members)), counts)
-    shift = torch.repeat_interleave(torch.tensor(np.cumsum([0, *sizes[:-1]])), counts)
-    where = (torch.cat(t_all), clients, torch.cat(s_all))
-    gather = torch.zeros(steps, len(members), width, dtype=torch.long).index_put_(
-        where, torch.cat(v_all).cpu() + shift
-    )
-    weight = torch.zeros(steps, len(members), width, dtype=x.dtype).index_put_(
-        where, torch.cat(w_all).to(x.dtype)
-    )
-    return x, y, gather.to(device), weight.to(device)
+    counts = np.fromiter((i.total for i in infos), np.int64, k)
+    sizes = np.fromiter((c.task.x_train.shape[0] for c in members), np.int64, k)
+    where = (np.concatenate([i.step for i in infos]) * k + np.repeat(np.arange(k), counts)) * width
+    where += np.concatenate([i.slot for i in infos])
+    order = torch.cat([t for c in members for t in _parts(c.batches)]).cpu().numpy()
+    gather = np.zeros(steps * k * width, dtype=np.int64)
+    gather[where] = order + np.repeat(np.cumsum(sizes) - sizes, counts)  # into the cohort's data
+    weight = np.zeros(steps * k * width, dtype=np.float64)
+    weight[where] = np.concatenate([i.weight for i in infos])
+    shape = (steps, k, width)
+    gather_t = torch.from_numpy(gather).view(shape).to(device)
+    return x, y, gather_t, torch.from_numpy(weight).view(shape).to(device=device, dtype=x.dtype)
 
 
 def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict[str, torch.Tensor]:
@@ -559,7 +681,7 @@ def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> StackedReplies:
     """Batched local training of clients sorted by step count (descending); their replies, stacked (rows in
     ``members`` order, models on ``device``)."""
-    names = [n for n, _ in members[0].task.model.named_parameters()]
+    names = _names(members[0].task.model)
     params, losses = train_stacked(members, local, device, mu)
     metrics = [
         train_metrics(
@@ -567,7 +689,7 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
             loss=losses[i] / len(c.batches),
             partition_id=c.task.partition_id,
             steps=len(c.batches),
-            examples_processed=sum(_lens(c.batches)),
+            examples_processed=_info(c.batches).total,
         )
         for i, c in enumerate(members)
     ]
@@ -602,10 +724,11 @@ def train_stacked(
     """
     model = members[0].task.model
     learnt = members[0].task.task or CLASSIFICATION  # the run's loss (fedsim.tasks)
-    names = [n for n, _ in model.named_parameters()]
+    names = _names(model)
     k_all, steps = len(members), len(members[0].batches)
-    width = max(max(_lens(c.batches)) for c in members)
-    active = [sum(len(c.batches) > t for c in members) for t in range(steps)]
+    width = max(_info(c.batches).width for c in members)
+    ends = np.cumsum(np.bincount([len(c.batches) for c in members], minlength=steps + 1))
+    active = (k_all - ends[:steps]).tolist()  # clients still training at each step (a prefix: sorted)
     x, y, gather, weight = cohort_batches(members, steps, width, device)
     params = _stack_starts(members, names, device)  # (clients, *shape)
     anchor = {n: p.clone() for n, p in params.items()} if mu > 0 else None
@@ -647,10 +770,12 @@ def train_stacked(
             return _GRAPHS[key].run(params, anchor, x, y, gather, weight)
     bufs = {n: torch.zeros_like(p) for n, p in params.items()} if local.optimizer != "sgd" else {}
     loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
+    rows = x.shape[1:]
     for t in range(steps):
         k = active[t]
-        idx = gather[t, :k]  # (k, width)
-        sgd(params, bufs, anchor, loss_sum, x[idx], y[idx], weight[t, :k])
+        idx, w = (gather[t], weight[t]) if k == k_all else (gather[t, :k], weight[t, :k])  # (k, width)
+        xb = x.index_select(0, idx.reshape(-1)).view(k, width, *rows)  # x[idx], without advanced indexing
+        sgd(params, bufs, anchor, loss_sum, xb, y[idx], w)
     return params, loss_sum.cpu().tolist()
 
 
