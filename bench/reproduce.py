@@ -1,130 +1,277 @@
-"""Run the paper reproductions of docs/reproductions.md and print their tables (and draw their figures).
+"""Run the paper reproductions of docs/reproductions.md and write (or check) its tables from the runs.
 
-    python bench/reproduce.py --out repro_runs                 # run every sweep, then print the tables
-    python bench/reproduce.py --out repro_runs --only fedprox  # one reproduction
-    python bench/reproduce.py --out repro_runs --no-run        # tables from sweeps already in --out
+    python bench/reproduce.py --out repro_runs                        # run every sweep, print the tables
+    python bench/reproduce.py --out repro_runs --only fedprox --write # run one reproduction, rewrite its tables
+    python bench/reproduce.py --out repro_runs --no-run --write       # tables from sweeps already in --out
+    python bench/reproduce.py --out repro_runs --only fedavg_digits --check   # fresh runs against the doc
     python bench/reproduce.py --out repro_runs --no-run --figures docs/figures
 
-Each sweep is one ``fedsim -m ...`` command (listed in SWEEPS and in each experiment's YAML header) whose
-runs land in ``OUT/<sweep>/<job>/``; the tables are read back from each run's summary.json and metrics.jsonl.
-Rounds to a target are read from the accuracy curve, so a target below the one a run stopped at can be
-reported too (the rounds before a stop are identical to those of a run that did not stop).
+Each sweep is one ``fedsim -m ...`` command (listed in REPRODUCTIONS and in each experiment's YAML header)
+whose runs land in ``OUT/<sweep>/<job>/``; the tables are read back from each run's summary.json and
+metrics.jsonl. Rounds to a target are read from the accuracy curve, so a target below the one a run stopped
+at can be reported too (the rounds before a stop are identical to those of a run that did not stop).
+
+The documents hold each generated table between ``<!-- reproduce:NAME -->`` and ``<!-- /reproduce:NAME -->``
+(``--write`` replaces what is between them, ``--check`` compares it and exits 1 with a diff when it differs),
+and each reproduction's run time between ``<!-- reproduce-time:REPRO -->`` markers: ``--write`` updates it,
+``--check`` ignores it (timing is not reproducible). The tables hold no timing; everything in them follows
+from the seeds (one torch thread per batched cohort, the default, makes a run bit-identical on a machine).
+The papers' own figures in the tables are the constants below (PAPER_*), copied from the papers.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import math
 import os
+import re
+import resource
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedsim.config import FLOWER_ENV
 
 ENV = dict(FLOWER_ENV)
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = (ROOT / "docs" / "reproductions.md", ROOT / "README.md")
 
-# reproduction -> [(sweep name, fedsim -m arguments)]
-SWEEPS = {
-    "fedavg_digits": [
-        ("digits_fedsgd", "experiment=fedavg_digits partitioner=iid,shards client=fedsgd"),
-        (
-            "digits_fedavg",
-            "experiment=fedavg_digits partitioner=iid,shards client.local_epochs=1,5,20 "
-            "client.batch_size=0,10",
+# McMahan et al. 2017 (arXiv 1602.05629), Table 2, MNIST CNN, rounds to 99 % test accuracy:
+# (E, B) -> (IID, pathological non-IID); FedSGD is E = 1, B = inf ("inf").
+PAPER_FEDAVG_CNN = {
+    ("FedSGD", 1, "inf"): (626, 483),
+    ("FedAvg", 5, "inf"): (179, 1000),
+    ("FedAvg", 1, "50"): (65, 600),
+    ("FedAvg", 20, "inf"): (234, 672),
+    ("FedAvg", 1, "10"): (34, 350),
+    ("FedAvg", 5, "50"): (29, 334),
+    ("FedAvg", 20, "50"): (32, 426),
+    ("FedAvg", 5, "10"): (20, 229),
+    ("FedAvg", 20, "10"): (18, 173),
+}
+
+
+@dataclass
+class Reproduction:
+    sweeps: list[tuple[str, str]]  # (sweep name, fedsim -m arguments)
+    tables: dict[str, Callable[[Path], str]] = field(default_factory=dict)  # block name -> table from OUT
+    files: str = ""  # what it reads besides scikit-learn's bundled data (for the help text)
+
+
+def _drift(dataset: str) -> str:
+    return f"experiment=client_drift {dataset}strategy=fedavg,fedprox,scaffold,fednova,feddyn,ditto,fedper"
+
+
+DRIFT_FMNIST = (
+    "dataset=fashion_mnist dataset.max_train=12000 dataset.max_test=2000 partitioner=shards ~partitioner.alpha "
+    "num_clients=50 model.hidden=[128] target_accuracy=0.70 num_rounds=60 "
+)
+RULES = "strategy=fedavg,fedmedian,fedtrimmedavg,krum"
+ROBUST = f"experiment=robustness {RULES}"
+ROBUST_FMNIST = "experiment=robustness dataset=fashion_mnist num_clients=100"
+SELECTION = "checkpoint_every=0 num_clients=50 clients_per_round=5 partitioner.alpha=0.3 num_rounds=60 target_accuracy=0.85 "
+COMPRESSION = "num_rounds=30 checkpoint_every=0 "
+
+
+def _reproductions() -> dict[str, Reproduction]:
+    """Every reproduction: its sweeps and the tables built from them (the functions are defined below)."""
+    return {
+        "fedavg_digits": Reproduction(
+            [
+                ("digits_fedsgd", "experiment=fedavg_digits partitioner=iid,shards client=fedsgd"),
+                (
+                    "digits_fedavg",
+                    "experiment=fedavg_digits partitioner=iid,shards client.local_epochs=1,5,20 "
+                    "client.batch_size=0,10",
+                ),
+            ],
+            {"fedavg_digits": lambda out: fedavg_table(out, "digits", (0.90, 0.90))},
         ),
-    ],
-    "fedavg_mnist": [
-        ("fmnist_fedsgd", "experiment=fedavg_mnist partitioner=iid,shards client=fedsgd"),
-        (
-            "fmnist_fedavg",
-            "experiment=fedavg_mnist partitioner=iid,shards client.local_epochs=1,5 "
-            "client.batch_size=50,10 num_rounds=60",
+        "fedavg_mnist": Reproduction(
+            [
+                ("fmnist_fedsgd", "experiment=fedavg_mnist partitioner=iid,shards client=fedsgd"),
+                (
+                    "fmnist_fedavg",
+                    "experiment=fedavg_mnist partitioner=iid,shards client.local_epochs=1,5 "
+                    "client.batch_size=50,10 num_rounds=60",
+                ),
+            ],
+            {"fedavg_mnist": lambda out: fedavg_table(out, "fmnist", (0.80, 0.70), also=0.80)},
+            "Fashion-MNIST",
         ),
-    ],
-    "fedprox": [
-        ("fedprox_fedavg", "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9"),
-        (
-            "fedprox_prox",
-            "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0,1 "
-            "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true",
+        "fedprox": Reproduction(
+            [
+                (
+                    "fedprox_fedavg",
+                    "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9",
+                ),
+                (
+                    "fedprox_prox",
+                    "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0,1 "
+                    "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true",
+                ),
+            ],
+            {"fedprox": lambda out: fedprox_table(out, ("fedprox_fedavg", "fedprox_prox"))},
         ),
         # a second data draw: seed 1 (FedProx mu=0 without stragglers is FedAvg, so it is left out)
-        (
-            "fedprox_fedavg_seed1",
-            "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9 seed=1",
+        "fedprox_seed1": Reproduction(
+            [
+                (
+                    "fedprox_fedavg_seed1",
+                    "experiment=fedprox_synthetic strategy=fedavg heterogeneity.straggler_prob=0,0.9 seed=1",
+                ),
+                (
+                    "fedprox_prox_seed1_mu1",
+                    "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=1 "
+                    "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true seed=1",
+                ),
+                (
+                    "fedprox_prox_seed1_mu0",
+                    "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0 "
+                    "heterogeneity.straggler_prob=0.9 heterogeneity.partial_work=true seed=1",
+                ),
+            ],
+            {"fedprox_seed1": lambda out: fedprox_table(out, FEDPROX_SEED1)},
         ),
-        (
-            "fedprox_prox_seed1_mu1",
-            "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=1 "
-            "heterogeneity.straggler_prob=0,0.9 heterogeneity.partial_work=true "
-            "seed=1",
+        # DP: Poisson sampling (the default) and, for comparison, fixed-size cohorts (replace-one accounting).
+        # noise_seed is published (and so is not secret: debug_noise_seed accepts it) so that the tables can
+        # be reproduced; these runs demonstrate accuracy against epsilon, they protect no one.
+        "dp": Reproduction(
+            [
+                (
+                    "dp_fixed",
+                    "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8 clipping.noise_seed=1 "
+                    "clipping.debug_noise_seed=true",
+                ),
+                (
+                    "dp_adaptive",
+                    "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm clipping.noise_multiplier=0,1,4 "
+                    "clipping.noise_seed=1 clipping.debug_noise_seed=true",
+                ),
+                (
+                    "dp_fixed_size",
+                    "experiment=dp_fedavg clipping.sampling=fixed clipping.noise_multiplier=1,4 "
+                    "clipping.noise_seed=1 clipping.debug_noise_seed=true",
+                ),
+            ],
+            {"dp": dp_table, "readme_dp": readme_dp_table},
+            "Fashion-MNIST",
         ),
-        (
-            "fedprox_prox_seed1_mu0",
-            "experiment=fedprox_synthetic strategy=fedprox strategy.proximal_mu=0 "
-            "heterogeneity.straggler_prob=0.9 heterogeneity.partial_work=true seed=1",
+        "client_drift": Reproduction(
+            [("drift_digits", _drift(""))],
+            {"client_drift": lambda out: drift_table(out, "drift_digits")},
         ),
-    ],
-    # DP: Poisson sampling (the default) and, for comparison, fixed-size cohorts (replace-one accounting).
-    # noise_seed is published (and so is not secret: debug_noise_seed accepts it) so that the tables can be
-    # reproduced; these runs demonstrate accuracy against epsilon, they protect no one.
-    "dp": [
-        (
-            "dp_fixed",
-            "experiment=dp_fedavg clipping.noise_multiplier=0,0.5,1,2,4,8 clipping.noise_seed=1 clipping.debug_noise_seed=true",
+        "client_drift_fmnist": Reproduction(
+            [("drift_fmnist", _drift(DRIFT_FMNIST))],
+            {"client_drift_fmnist": lambda out: drift_table(out, "drift_fmnist")},
+            "Fashion-MNIST",
         ),
-        (
-            "dp_adaptive",
-            "experiment=dp_fedavg clipping=adaptive ~clipping.clip_norm clipping.noise_multiplier=0,1,4 "
-            "clipping.noise_seed=1 clipping.debug_noise_seed=true",
+        "robustness": Reproduction(
+            [
+                ("robust_digits", f"{ROBUST} attack=none,sign_flip,alie,ipm seed=0,1,2"),
+                (
+                    "robust_digits_krum2",
+                    "experiment=robustness strategy=krum strategy.num_malicious=2 attack=none,sign_flip,alie,ipm "
+                    "seed=0,1,2",
+                ),
+                ("robust_digits_scale", f"{ROBUST} attack=scale attack.factor=-4 seed=0,1,2"),
+                ("robust_digits_alie_z1", f"{ROBUST} attack=alie attack.z=1.0 seed=0,1,2"),
+            ],
+            {"robustness_digits": lambda out: robustness_table(out, "robust_digits", seeds=True)},
         ),
-        (
-            "dp_fixed_size",
-            "experiment=dp_fedavg clipping.sampling=fixed clipping.noise_multiplier=1,4 clipping.noise_seed=1 clipping.debug_noise_seed=true",
+        "robustness_fmnist": Reproduction(
+            [
+                ("robust_fmnist", f"{ROBUST_FMNIST} {RULES} attack=none,sign_flip,alie,ipm"),
+                (
+                    "robust_fmnist_krum2",
+                    f"{ROBUST_FMNIST} strategy=krum strategy.num_malicious=2 attack=none,sign_flip,alie,ipm",
+                ),
+            ],
+            {"robustness_fmnist": lambda out: robustness_table(out, "robust_fmnist", seeds=False)},
+            "Fashion-MNIST",
         ),
-    ],
-    "client_drift": [
-        (
-            "drift_digits",
-            "experiment=client_drift strategy=fedavg,fedprox,scaffold,fednova,feddyn,ditto,fedper",
+        "selection": Reproduction(
+            [
+                ("selection", f"{SELECTION}selection=uniform,power_of_choice seed=0,1,2"),
+                ("selection_d20", f"{SELECTION}selection=power_of_choice selection.d=20 seed=0,1,2"),
+            ],
+            {"selection": selection_table},
         ),
-        (
-            "drift_fmnist",
-            "experiment=client_drift dataset=fashion_mnist dataset.max_train=12000 dataset.max_test=2000 "
-            "partitioner=shards ~partitioner.alpha num_clients=50 model.hidden=[128] target_accuracy=0.70 num_rounds=60 "
-            "strategy=fedavg,fedprox,scaffold,fednova,feddyn,ditto,fedper",
+        "compression": Reproduction(
+            [
+                ("compression", f"{COMPRESSION}compression=none,topk,qsgd seed=0,1,2"),
+                ("compression_topk01", f"{COMPRESSION}compression=topk compression.ratio=0.01 seed=0,1,2"),
+                ("compression_qsgd2", f"{COMPRESSION}compression=qsgd compression.levels=2 seed=0,1,2"),
+            ],
+            {"compression": compression_table},
         ),
-    ],
-}
-TARGETS = {"fedavg_digits": (0.90, 0.90), "fedavg_mnist": (0.80, 0.70)}  # (IID, shards)
+    }
 
 
-def run_sweep(out: Path, name: str, args: str) -> float:
-    """Run one sweep into OUT/name; return its wall-clock seconds."""
+FEDPROX_SEED1 = ("fedprox_fedavg_seed1", "fedprox_prox_seed1_mu1", "fedprox_prox_seed1_mu0")
+
+
+def run_sweep(out: Path, name: str, args: str) -> tuple[float, float]:
+    """Run one sweep into OUT/name; return its wall-clock and CPU seconds (also written to OUT/name)."""
     cmd = [sys.executable, "-m", "fedsim", "-m", *args.split(), "quiet=true", f"hydra.sweep.dir={out / name}"]
     print("$", " ".join(cmd[2:]), flush=True)
-    t0 = time.perf_counter()
-    subprocess.run(cmd, check=False, env={**os.environ, **ENV})
-    return time.perf_counter() - t0
+    t0, c0 = time.perf_counter(), _children_cpu()
+    proc = subprocess.run(cmd, check=False, env={**os.environ, **ENV})
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    if proc.returncode:
+        sys.exit(f"reproduce: sweep {name} failed (exit {proc.returncode})")
+    (out / name / "reproduce_time.json").write_text(json.dumps({"wall_s": wall, "cpu_s": cpu}))
+    return wall, cpu
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 def runs(out: Path, name: str) -> list[dict]:
-    """summary.json (plus 'records' from metrics.jsonl) of every run of a sweep, in job order."""
+    """summary.json (plus 'records' from metrics.jsonl, 'partitions') of every run of a sweep, in job order."""
     found = []
     for job in sorted((out / name).glob("[0-9]*"), key=lambda p: int(p.name)):
         if not (job / "summary.json").exists():
             continue
         s = json.loads((job / "summary.json").read_text())
         s["records"] = [json.loads(x) for x in (job / "metrics.jsonl").read_text().splitlines() if x]
+        parts = job / "partitions.json"
+        s["partitions"] = json.loads(parts.read_text()) if parts.exists() else {}
         found.append(s)
+    if not found:
+        raise FileNotFoundError(f"no finished runs in {out / name} (run the sweep, or drop --no-run)")
     return found
 
 
 def rounds_to(records: list[dict], target: float) -> int | None:
     return next((r["round"] for r in records if (r.get("eval_accuracy") or 0.0) >= target), None)
+
+
+def _reached(records: list[dict], target: float, done: int) -> str:
+    r = rounds_to(records, target)
+    return f"> {done}" if r is None else str(r)
+
+
+def _mean_acc(records: list[dict]) -> float:
+    """Mean test accuracy over the rounds trained (round 0, the initial model, left out)."""
+    vals = [r["eval_accuracy"] for r in records if r["round"] > 0 and r.get("eval_accuracy") is not None]
+    return sum(vals) / len(vals)
+
+
+def _mean_std(vals: list[float]) -> str:
+    """mean ± sample standard deviation (n - 1), or the value alone for one run."""
+    if len(vals) == 1:
+        return f"{vals[0]:.3f}"
+    return f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f}"
 
 
 def _label_eb(s: dict) -> tuple[str, int, str]:
@@ -134,40 +281,62 @@ def _label_eb(s: dict) -> tuple[str, int, str]:
     return "FedAvg", int(c["local_epochs"]), "inf" if int(c["batch_size"]) == 0 else str(c["batch_size"])
 
 
-def fedavg_table(out: Path, prefix: str, targets: tuple[float, float]) -> str:
+def fedavg_table(out: Path, prefix: str, targets: tuple[float, float], also: float | None = None) -> str:
+    """Rounds to target per (method, E, B) and split, the speed-up over FedSGD, and the paper's Table 2 CNN
+    figures for the same E and B. ``also``: a second column of the shards runs' rounds to this target."""
     rows: dict[tuple, dict] = {}
     for sweep in (f"{prefix}_fedsgd", f"{prefix}_fedavg"):
         for s in runs(out, sweep):
-            key = _label_eb(s)
-            part = s["choices"]["partitioner"]
-            tgt = targets[0] if part == "iid" else targets[1]
-            rows.setdefault(key, {})[part] = (rounds_to(s["records"], tgt), s["rounds_done"], s["wall_time"])
+            rows.setdefault(_label_eb(s), {})[s["choices"]["partitioner"]] = s
     base = rows.get(("FedSGD", 1, "inf"), {})
     lines = [
-        f"| method | E | B | IID: rounds to {targets[0]:.2f} | shards: rounds to {targets[1]:.2f} "
-        "| wall s (both runs) |",
-        "|---|---|---|---|---|---|",
+        f"| method | E | B | lr | u | IID: rounds to {targets[0]:.2f} | shards: rounds to {targets[1]:.2f} "
+        + (f"| shards: rounds to {also:.2f} " if also else "")
+        + "| paper IID (to 99 %) | paper non-IID (to 99 %) |",
+        "|---|---|---|---|---|---|---|" + ("---|" if also else "") + "---|---|",
     ]
 
     def order(k):
         return k[0] != "FedSGD", k[1], k[2] != "inf", -int(k[2]) if k[2] != "inf" else 0
 
     for key in sorted(rows, key=order):
-        cells, wall = [], 0.0
-        for part in ("iid", "shards"):
-            if part not in rows[key]:
+        cells = []
+        for part, tgt in (("iid", targets[0]), ("shards", targets[1])):
+            s = rows[key].get(part)
+            if s is None:
                 cells.append("–")
                 continue
-            r, done, w = rows[key][part]
-            wall += w
-            b = base.get(part, (None, 0, 0))
+            r = rounds_to(s["records"], tgt)
+            b = base.get(part)
+            rb = rounds_to(b["records"], tgt) if b else None
             if r is None:
-                cells.append(f"> {done}")
-            elif key[0] == "FedSGD" or b[0] is None:
-                cells.append(f"{r}" + (f" (≥ {b[1] / r:.1f}×)" if key[0] != "FedSGD" and b[1] else ""))
+                cells.append(f"> {s['rounds_done']}")
+            elif key[0] == "FedSGD" or b is None:
+                cells.append(str(r))
+            elif rb is None:
+                cells.append(f"{r} (≥ {b['rounds_done'] / r:.1f}×)")
             else:
-                cells.append(f"{r} ({b[0] / r:.1f}×)")
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells[0]} | {cells[1]} | {wall:.0f} |")
+                cells.append(f"{r} ({rb / r:.1f}×)")
+        if also:
+            s = rows[key].get("shards")
+            cells.append(_reached(s["records"], also, s["rounds_done"]) if s else "–")
+        any_run = next(iter(rows[key].values()))
+        n = any_run["partitions"]["num_examples"] / any_run["partitions"]["num_clients"]
+        u = key[1] if key[2] == "inf" else key[1] * math.ceil(n / int(key[2]))
+        paper = None if key == ("FedAvg", 1, "inf") else PAPER_FEDAVG_CNN.get(key)  # FedSGD's algorithm
+        sgd = PAPER_FEDAVG_CNN[("FedSGD", 1, "inf")]
+        if paper is None:
+            pcells = ["–", "–"]
+        elif key[0] == "FedSGD":
+            pcells = [str(paper[0]), str(paper[1])]
+        else:
+            pcells = [f"{paper[i]} ({sgd[i] / paper[i]:.1f}×)" for i in (0, 1)]
+        lr = any_run["config"]["client"]["lr"]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2].replace('inf', '∞')} | {lr:g} | {u} | "
+            + " | ".join(cells + pcells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -176,40 +345,55 @@ def _mean_last(records: list[dict], key: str, n: int = 10) -> float:
     return sum(vals) / max(len(vals), 1)
 
 
-def fedprox_rows(out: Path, suffix: str = "") -> list[tuple[str, float, dict]]:
+def fedprox_rows(
+    out: Path, sweeps: tuple[str, ...] = ("fedprox_fedavg", "fedprox_prox")
+) -> list[tuple[str, float, dict]]:
     rows = []
-    more = sorted(p.name for p in out.glob(f"fedprox_prox{suffix}_*")) if suffix else []
-    sweeps = [f"fedprox_fedavg{suffix}", f"fedprox_prox{suffix}", *more]
     for sweep in sweeps:
         for s in runs(out, sweep):
             c = s["config"]
             strag = c["heterogeneity"]["straggler_prob"]
             if s["choices"]["strategy"] == "fedavg":
-                name = "FedAvg (drops stragglers)"
+                name = "FedAvg (drops stragglers)" if strag else "FedAvg"
             else:
                 mu = c["strategy"]["proximal_mu"]
-                if strag == 0 and mu == 0:
-                    continue  # identical to FedAvg without stragglers
-                name = f"FedProx μ={mu:g}"
+                name = f"FedProx μ={mu:g}" + (" (keeps partial work)" if strag else "")
             rows.append((name, strag, s))
     return rows
 
 
-def fedprox_table(out: Path, suffix: str = "") -> str:
+def fedprox_table(out: Path, sweeps: tuple[str, ...]) -> str:
     lines = [
-        "| stragglers | method | final acc | mean acc, last 10 rounds | min acc after round 10 | "
-        "final test loss | rounds skipped | wall s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| stragglers | method | final acc | mean acc, last 10 rounds | lowest acc after round 10 | "
+        "final test loss | rounds skipped |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, strag, s in sorted(fedprox_rows(out, suffix), key=lambda t: (t[1], t[0])):
+    rows = fedprox_rows(out, sweeps)
+    same = None
+    for name, strag, s in sorted(rows, key=lambda t: (t[1], t[0])):
         rec = s["records"]
+        if strag == 0 and name.startswith("FedProx μ=0"):  # FedAvg's algorithm: checked below, not a row
+            fedavg = next(x for n, st, x in rows if st == 0 and n == "FedAvg")
+            same = (
+                s["final_eval_accuracy"],
+                [r["eval_accuracy"] for r in rec] == [r["eval_accuracy"] for r in fedavg["records"]],
+            )
+            continue
         skipped = sum(1 for r in rec if r.get("skipped"))
         later = [r["eval_accuracy"] for r in rec if r["round"] > 10 and r.get("eval_accuracy") is not None]
         lines.append(
-            f"| {strag:.0%} | {name} | {s['final_eval_accuracy']:.3f} "
-            f"| {_mean_last(rec, 'eval_accuracy'):.3f}"
-            f" | {min(later, default=float('nan')):.3f} | {s['final_eval_loss']:.3f} | {skipped} |"
-            f" {s['wall_time']:.0f} |"
+            f"| {strag:.0%} | {name} | {s['final_eval_accuracy']:.3f} | {_mean_last(rec, 'eval_accuracy'):.3f}"
+            f" | {min(later, default=float('nan')):.3f} | {s['final_eval_loss']:.3f} "
+            f"| {skipped} of {s['rounds_done']} |"
+        )
+    if same is not None:
+        lines.append(
+            f"\nFedProx μ=0 without stragglers (not a row): final accuracy {same[0]:.4f}, "
+            + (
+                "the same accuracy curve as FedAvg's, round for round."
+                if same[1]
+                else "a curve that differs from FedAvg's."
+            )
         )
     return "\n".join(lines)
 
@@ -244,57 +428,239 @@ def independent_epsilon(s: dict, accountant: str = "rdp") -> float | None:
     return acc.compose(dp_accounting.SelfComposedDpEvent(event, int(s["rounds_done"]))).get_epsilon(delta)
 
 
-def _eps(e: float | None, none: str = "∞ (no noise)") -> str:
+def _eps(e: float | None, none: str = "∞") -> str:
     return none if e is None else f"{e:.3f}"
 
 
-def dp_table(out: Path, sweep: str = "dp_fixed") -> str:
-    adaptive = sweep == "dp_adaptive"
+def _sampling(s: dict) -> str:
+    c = s["config"]
+    n, m = c["num_clients"], c["clients_per_round"]
+    if not c["clipping"]["noise_multiplier"]:
+        return f"{m} per round, no DP"
+    if c["clipping"]["sampling"] == "poisson":
+        return f"Poisson, q = {m / n:g}"
+    return f"fixed, {m} of {n}"
+
+
+def _last_done(s: dict) -> dict:
+    done = [r for r in s["records"] if r["round"] > 0 and not r.get("skipped")]
+    return done[-1] if done else {}
+
+
+def dp_table(out: Path) -> str:
+    """Fixed clip (Poisson and fixed-size cohorts) with epsilon three ways; the adaptive clip beside it."""
+    adaptive = {s["config"]["clipping"]["noise_multiplier"]: s for s in runs(out, "dp_adaptive")}
     lines = [
-        "| sampling | z | final acc | best acc | ε fedsim (RDP) | ε dp-accounting direct: RDP | PLD | "
-        "cohort size: mean (min–max) | rounds skipped | noise std (last) | "
-        + ("C (last) | noisy unclipped fraction (last) | " if adaptive else "")
-        + "wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if adaptive else "") + "---|",
+        "| z | sampling | cohort size: mean (min–max) | final acc (C = 0.5) | ε fedsim (RDP) | "
+        "ε dp-accounting directly (RDP) | ε directly (PLD) | noise std on the mean | clipped fraction (last) | "
+        "final acc (adaptive C) | adaptive C (last) | adaptive noise std (last) | rounds skipped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for s in runs(out, sweep):
-        z = s["config"]["clipping"]["noise_multiplier"]
+    for s in [*runs(out, "dp_fixed"), *runs(out, "dp_fixed_size")]:
+        c = s["config"]["clipping"]
+        z = c["noise_multiplier"]
         recs = [r for r in s["records"] if r["round"] > 0]
-        done = [r for r in recs if not r.get("skipped")]
-        last = done[-1] if done else {}
         sizes = [r["num_clients"] for r in recs]
-        direct = independent_epsilon(s)
+        last = _last_done(s)
         pld = independent_epsilon(s, "pld")
-        sampling = s["config"]["clipping"]["sampling"] if z else "fixed (no DP)"
-        row = (
-            f"| {sampling} | {z:g} | {s['final_eval_accuracy']:.3f} | {s['best_eval_accuracy']:.3f} | "
-            f"{_eps(s.get('final_epsilon'))} | {_eps(direct)} | {_eps(pld, '–') if z else '∞'} | "
-            f"{sum(sizes) / len(sizes):.1f} ({min(sizes)}–{max(sizes)}) | "
-            f"{sum(1 for r in recs if r.get('skipped'))} | {last.get('noise_std', 0.0):.4f} | "
+        clipped = last.get("clipped_fraction")
+        a = adaptive.get(z) if c["sampling"] == "poisson" or not z else None
+        acells = ["–", "–", "–"]
+        if a is not None:
+            al = _last_done(a)
+            acells = [
+                f"{a['final_eval_accuracy']:.3f}",
+                f"{al['clip_norm']:.3f}",
+                f"{al.get('noise_std', 0.0):.4f}",
+            ]
+        lines.append(
+            f"| {z:g} | {_sampling(s)} | {sum(sizes) / len(sizes):.1f} ({min(sizes)}–{max(sizes)}) "
+            f"| {s['final_eval_accuracy']:.3f} | {_eps(s.get('final_epsilon'))} | {_eps(independent_epsilon(s))} "
+            f"| {_eps(pld, '– (no PLD event)') if z else '∞'} | {last.get('noise_std', 0.0):.4f} "
+            f"| {'–' if clipped is None else f'{clipped:.2f}'} | "
+            + " | ".join(acells)
+            + f" | {sum(1 for r in recs if r.get('skipped'))} |"
         )
-        if adaptive:
-            frac = last.get("noisy_unclipped_fraction")
-            row += f"{last.get('clip_norm', float('nan')):.3f} | {'–' if frac is None else f'{frac:.2f}'} | "
-        lines.append(row + f"{s['wall_time']:.0f} |")
     return "\n".join(lines)
+
+
+def readme_dp_table(out: Path) -> str:
+    """The README's shorter copy of dp_table (Privacy section)."""
+    lines = [
+        "| z | sampling | final accuracy | ε, fedsim (RDP) | ε, dp-accounting directly (RDP) | ε, directly (PLD) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in [*runs(out, "dp_fixed"), *runs(out, "dp_fixed_size")]:
+        z = s["config"]["clipping"]["noise_multiplier"]
+        lines.append(
+            f"| {z:g} | {_sampling(s)} | {s['final_eval_accuracy']:.3f} | {_eps(s.get('final_epsilon'))} "
+            f"| {_eps(independent_epsilon(s))} | {_eps(independent_epsilon(s, 'pld'), '–') if z else '∞'} |"
+        )
+    return "\n".join(lines)
+
+
+def _strategy_label(s: dict) -> str:
+    name, c = s["choices"]["strategy"], s["config"]["strategy"]
+    extra = {
+        "fedprox": lambda: f"μ = {c['proximal_mu']:g}",
+        "feddyn": lambda: f"α = {c['alpha']:g}",
+        "ditto": lambda: f"λ = {c['lam']:g}",
+        "fedper": lambda: "personal layers " + ", ".join(map(str, c["personal_layers"])),
+        "krum": lambda: f"f = {c['num_malicious']}",
+        "fedtrimmedavg": lambda: f"β = {c['beta']:g}",
+    }.get(name)
+    return f"{name} ({extra()})" if extra else name
 
 
 def drift_table(out: Path, sweep: str) -> str:
     """Client drift: rounds to target and final accuracy per strategy; personal accuracy (mean, p10)."""
+    found = runs(out, sweep)
+    target = found[0]["target_accuracy"]
     lines = [
-        "| strategy | rounds to target | final global acc. | personal acc. (mean, last 10 rounds) | personal p10 |",
+        f"| strategy | rounds to {target:.2f} | final global acc. | personal acc. (mean, last 10 rounds) "
+        "| personal p10 (last 10 rounds) |",
         "|---|---|---|---|---|",
     ]
-    for s in runs(out, sweep):
-        target = s.get("target_accuracy")
-        reached = rounds_to(s["records"], target) if target else None
-        shown = str(reached) if reached is not None else f"> {s['rounds_done']}"
+    for s in found:
         lines.append(
-            f"| {s['choices']['strategy']} | {shown} "
+            f"| {_strategy_label(s)} | {_reached(s['records'], target, s['rounds_done'])} "
             f"| {s['final_eval_accuracy']:.3f} | {_mean_last(s['records'], 'personal_eval_accuracy'):.3f} "
             f"| {_mean_last(s['records'], 'personal_eval_accuracy_p10'):.3f} |"
         )
     return "\n".join(lines)
+
+
+def alie_z(s: dict) -> float:
+    """The z an ALIE run used: attack.z, or the paper's z_max = Phi^-1((n - s)/n), s = floor(n/2 + 1) - m."""
+    a = s["config"]["attack"]
+    if a.get("z") is not None:
+        return float(a["z"])
+    n = int(s["config"]["clients_per_round"])
+    m = max(1, round(a["fraction"] * n))  # as fedsim.attacks: the attackers expected in a cohort
+    return statistics.NormalDist().inv_cdf((n - (math.floor(n / 2 + 1) - m)) / n)
+
+
+def _attack_label(s: dict) -> str:
+    a, name = s["config"]["attack"], s["choices"]["attack"]
+    if name == "none":
+        return "no attack"
+    if name == "sign_flip":
+        return "sign_flip (−d)"
+    if name == "alie":
+        return f"ALIE (z = {alie_z(s):.2f})"
+    if name == "ipm":
+        return f"IPM (ε = {a['epsilon']:g})"
+    if name == "scale":
+        return f"scaled ({a['factor']:g}·d)".replace("-", "−")
+    return name
+
+
+def robustness_table(out: Path, prefix: str, seeds: bool) -> str:
+    """Final test accuracy per rule and attack: mean ± std over seeds (or one seed), and in parentheses the
+    mean accuracy over the rounds (how fast it learns)."""
+    cells: dict[tuple[str, str], list[dict]] = {}
+    rules: list[str] = []
+    attacks: list[str] = []
+    for sweep in sorted(p.name for p in out.glob(f"{prefix}*") if p.is_dir()):
+        for s in runs(out, sweep):
+            rule, attack = _strategy_label(s), _attack_label(s)
+            rules += [rule] if rule not in rules else []
+            attacks += [attack] if attack not in attacks else []
+            cells.setdefault((rule, attack), []).append(s)
+    rules.sort()
+    kinds = ("no attack", "sign_flip", "ALIE", "IPM", "scaled")
+    attacks.sort(key=lambda a: (next(i for i, k in enumerate(kinds) if a.startswith(k)), a))
+    lines = [
+        "| strategy | " + " | ".join(attacks) + " |",
+        "|---|" + "---|" * len(attacks),
+    ]
+    for rule in rules:
+        row = []
+        for attack in attacks:
+            got = cells.get((rule, attack), [])
+            if not got:
+                row.append("–")
+                continue
+            final = _mean_std([s["final_eval_accuracy"] for s in got])
+            row.append(f"{final} ({statistics.mean(_mean_acc(s['records']) for s in got):.3f})")
+        lines.append(f"| {rule} | " + " | ".join(row) + " |")
+    ran = sorted({s["config"]["seed"] for got in cells.values() for s in got})
+    lines.append(
+        f"\nSeeds: {', '.join(map(str, ran))}" + ("; mean ± sample std over them." if seeds else ".")
+    )
+    return "\n".join(lines)
+
+
+def selection_table(out: Path) -> str:
+    by: dict[str, dict[int, dict]] = {}
+    for sweep in ("selection", "selection_d20"):
+        for s in runs(out, sweep):
+            c = s["config"]
+            if s["choices"]["selection"] == "uniform":
+                label = "uniform"
+            else:
+                d = c["selection"]["d"] or min(2 * c["clients_per_round"], c["num_clients"])
+                label = f"power of choice, d = {d}"
+            by.setdefault(label, {})[c["seed"]] = s
+    seeds = sorted({k for v in by.values() for k in v})
+    target = next(iter(next(iter(by.values())).values()))["target_accuracy"]
+    lines = [
+        "| selection | " + " | ".join(f"seed {k}: rounds to {target:.2f}" for k in seeds) + " | mean |",
+        "|---|" + "---|" * (len(seeds) + 1),
+    ]
+    for label, got in by.items():
+        rs = [rounds_to(got[k]["records"], target) for k in seeds]
+        mean = f"{statistics.mean(rs):.1f}" if None not in rs else "–"
+        shown = [_reached(got[k]["records"], target, got[k]["rounds_done"]) for k in seeds]
+        lines.append(f"| {label} | " + " | ".join(shown) + f" | {mean} |")
+    return "\n".join(lines)
+
+
+def compression_table(out: Path) -> str:
+    by: dict[str, list[dict]] = {}
+    for sweep in ("compression", "compression_topk01", "compression_qsgd2"):
+        for s in runs(out, sweep):
+            name, c = s["choices"]["compression"], s["config"]["compression"]
+            if name == "topk":
+                name = f"topk, ratio {c['ratio']:g}"
+            elif name == "qsgd":
+                name = f"qsgd, {c['levels']} levels"
+            by.setdefault(name, []).append(s)
+    seeds = sorted({s["config"]["seed"] for v in by.values() for s in v})
+    lines = [
+        f"| compression | final accuracy (seeds {', '.join(map(str, seeds))}) | MB up (clients → server) | MB down |",
+        "|---|---|---|---|",
+    ]
+    for label, got in by.items():
+        up = statistics.mean(s["total_bytes_up"] for s in got) / 1e6
+        down = statistics.mean(s["total_bytes_down"] for s in got) / 1e6
+        lines.append(
+            f"| {label} | {_mean_std([s['final_eval_accuracy'] for s in got])} | {up:.2f} | {down:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def time_line(out: Path, rep: Reproduction) -> str:
+    """How long the reproduction's sweeps took when these tables were written (not checked)."""
+    nruns, wall, cpu, measured = 0, 0.0, 0.0, True
+    for name, _ in rep.sweeps:
+        found = runs(out, name)
+        nruns += len(found)
+        t = out / name / "reproduce_time.json"
+        if t.exists():
+            got = json.loads(t.read_text())
+            wall, cpu = wall + got["wall_s"], cpu + got["cpu_s"]
+        else:
+            measured = False
+            wall += sum(s["wall_time"] for s in found)
+    what = f"{nruns} runs in {len(rep.sweeps)} sweep{'s' * (len(rep.sweeps) > 1)}"
+    if measured:
+        return f"Last regenerated here: {what}, {_dur(wall)} wall, {_dur(cpu)} CPU."
+    return f"Last regenerated here: {what}, {_dur(wall)} of run time (start-up not counted)."
+
+
+def _dur(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.1f} min"
 
 
 def figures(out: Path, dest: Path) -> None:
@@ -308,10 +674,10 @@ def figures(out: Path, dest: Path) -> None:
     def acc(s):
         return [r["round"] for r in s["records"]], [r["eval_accuracy"] for r in s["records"]]
 
-    for prefix, targets in (("fmnist", TARGETS["fedavg_mnist"]), ("digits", TARGETS["fedavg_digits"])):
-        found = [s for sw in (f"{prefix}_fedsgd", f"{prefix}_fedavg") for s in runs(out, sw)]
-        if not found:
+    for prefix, targets in (("fmnist", (0.80, 0.70)), ("digits", (0.90, 0.90))):
+        if not (out / f"{prefix}_fedavg").exists():
             continue
+        found = [s for sw in (f"{prefix}_fedsgd", f"{prefix}_fedavg") for s in runs(out, sw)]
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
         for ax, part, tgt in zip(axes, ("iid", "shards"), targets):
             for s in (s for s in found if s["choices"]["partitioner"] == part):
@@ -328,32 +694,17 @@ def figures(out: Path, dest: Path) -> None:
         fig.savefig(dest / f"fedavg_{prefix}.png", dpi=80)
         plt.close(fig)
 
-    rows = fedprox_rows(out)
-    if rows:
-        colors = {
-            "FedAvg (drops stragglers)": "tab:blue",
-            "FedProx μ=0": "tab:orange",
-            "FedProx μ=1": "tab:green",
-        }
+    if (out / "fedprox_fedavg").exists():
+        rows = fedprox_rows(out)
         fig, axes = plt.subplots(2, 2, figsize=(9, 5.6), sharex=True, sharey="row")
         for col, strag in enumerate((0.0, 0.9)):
             for name, st, s in rows:
-                if st == strag:
-                    rnd = [r["round"] for r in s["records"]]
-                    axes[0, col].plot(
-                        rnd,
-                        [r["eval_accuracy"] for r in s["records"]],
-                        lw=1.2,
-                        label=name,
-                        color=colors.get(name),
-                    )
-                    axes[1, col].plot(
-                        rnd,
-                        [r["eval_loss"] for r in s["records"]],
-                        lw=1.2,
-                        label=name,
-                        color=colors.get(name),
-                    )
+                if st != strag or (st == 0 and name.startswith("FedProx μ=0")):
+                    continue
+                color = "tab:blue" if "FedAvg" in name else "tab:orange" if "μ=0" in name else "tab:green"
+                rnd = [r["round"] for r in s["records"]]
+                for row, key in enumerate(("eval_accuracy", "eval_loss")):
+                    axes[row, col].plot(rnd, [r[key] for r in s["records"]], lw=1.2, label=name, color=color)
             axes[0, col].set_title(f"Synthetic(1,1), {strag:.0%} stragglers")
             axes[1, col].set_xlabel("round")
             axes[0, col].legend(fontsize=7)
@@ -363,8 +714,8 @@ def figures(out: Path, dest: Path) -> None:
         fig.savefig(dest / "fedprox_synthetic.png", dpi=80)
         plt.close(fig)
 
-    dp = runs(out, "dp_fixed")
-    if dp:
+    if (out / "dp_fixed").exists():
+        dp = runs(out, "dp_fixed")
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
         for i, s in enumerate(dp):
             z = s["config"]["clipping"]["noise_multiplier"]
@@ -373,8 +724,8 @@ def figures(out: Path, dest: Path) -> None:
             if pts:
                 axes[1].plot(*zip(*pts), lw=1.2, label=f"z={z:g}", color=f"C{i}")
         zs = [s["config"]["clipping"]["noise_multiplier"] for s in dp]
-        for s in runs(out, "dp_fixed_size"):  # fixed-size cohorts, replace-one: dashed, same colour per z
-            z = s["config"]["clipping"]["noise_multiplier"]
+        for s in runs(out, "dp_fixed_size") if (out / "dp_fixed_size").exists() else []:
+            z = s["config"]["clipping"]["noise_multiplier"]  # fixed-size cohorts: dashed, same colour per z
             pts = [(r["epsilon"], r["eval_accuracy"]) for r in s["records"] if r.get("epsilon")]
             color = f"C{zs.index(z)}" if z in zs else "grey"
             axes[1].plot(*zip(*pts), lw=1.2, ls="--", label=f"z={z:g}, fixed size", color=color)
@@ -389,44 +740,107 @@ def figures(out: Path, dest: Path) -> None:
         plt.close(fig)
 
 
+BLOCK = re.compile(r"(<!-- (reproduce(?:-time)?):([\w-]+) -->\n)(.*?)\n?(<!-- /\2:\3 -->)", re.S)
+
+
+def blocks(text: str) -> dict[tuple[str, str], str]:
+    """The generated blocks of a document: (kind, name) -> content (kind: reproduce or reproduce-time)."""
+    return {(m.group(2), m.group(3)): m.group(4) for m in BLOCK.finditer(text)}
+
+
+def replace_blocks(text: str, new: dict[tuple[str, str], str]) -> str:
+    def sub(m: re.Match) -> str:
+        key = (m.group(2), m.group(3))
+        return m.group(1) + new[key] + "\n" + m.group(5) if key in new else m.group(0)
+
+    return BLOCK.sub(sub, text)
+
+
+def generate(out: Path, chosen: list[str]) -> dict[tuple[str, str], str]:
+    reps = _reproductions()
+    new: dict[tuple[str, str], str] = {}
+    for rep in chosen:
+        for name, make in reps[rep].tables.items():
+            new[("reproduce", name)] = make(out)
+        new[("reproduce-time", rep)] = time_line(out, reps[rep])
+    return new
+
+
+def write_or_check(new: dict[tuple[str, str], str], docs: list[Path], check: bool) -> int:
+    """Replace the blocks in the documents (or compare them: 1 when a table differs or is missing)."""
+    where: dict[tuple[str, str], Path] = {}
+    for doc in docs:
+        for key in blocks(doc.read_text()):
+            where.setdefault(key, doc)
+    missing = sorted(k for k in new if k not in where)
+    if missing:
+        print(
+            "reproduce: no markers in "
+            + ", ".join(str(d) for d in docs)
+            + " for: "
+            + ", ".join(f"<!-- {k}:{n} -->" for k, n in missing),
+            file=sys.stderr,
+        )
+        return 1
+    status = 0
+    for doc in docs:
+        text = doc.read_text()
+        mine = {k: v for k, v in new.items() if where[k] == doc}
+        if not check:
+            updated = replace_blocks(text, mine)
+            if updated != text:
+                doc.write_text(updated)
+                print(f"reproduce: wrote {len(mine)} block(s) in {doc}")
+            continue
+        have = blocks(text)
+        for (kind, name), table in mine.items():
+            if kind == "reproduce" and have[(kind, name)] != table:
+                status = 1
+                diff = difflib.unified_diff(
+                    have[(kind, name)].splitlines(),
+                    table.splitlines(),
+                    f"{doc.name} ({name})",
+                    "fresh runs",
+                    lineterm="",
+                )
+                print("\n".join(diff))
+    if check:
+        n = sum(1 for k in new if k[0] == "reproduce")
+        print(
+            f"reproduce: {n} table(s) " + ("differ from the documents" if status else "match the documents")
+        )
+    return status
+
+
 def main() -> None:
+    reps = _reproductions()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the sweeps (outside the repository)")
-    ap.add_argument("--only", choices=sorted(SWEEPS), action="append", help="run only these reproductions")
+    ap.add_argument("--only", choices=sorted(reps), action="append", help="only these reproductions")
     ap.add_argument("--no-run", action="store_true", help="only read sweeps already in --out")
+    ap.add_argument("--write", action="store_true", help="replace the generated tables in the documents")
+    ap.add_argument("--check", action="store_true", help="exit 1 with a diff if a document's table differs")
+    ap.add_argument(
+        "--doc",
+        type=Path,
+        action="append",
+        help="documents with the tables (default: docs/reproductions.md and README.md)",
+    )
     ap.add_argument("--figures", type=Path, help="also draw the figures into this folder")
     a = ap.parse_args()
-    chosen = a.only or list(SWEEPS)
+    chosen = a.only or list(reps)
     if not a.no_run:
         for rep in chosen:
-            for name, args in SWEEPS[rep]:
-                print(f"{name}: {run_sweep(a.out, name, args):.0f} s wall", flush=True)
-    for rep in chosen:
-        print(f"\n## {rep}\n")
-        if rep in TARGETS:
-            print(fedavg_table(a.out, "fmnist" if rep == "fedavg_mnist" else "digits", TARGETS[rep]))
-        elif rep == "fedprox":
-            print(fedprox_table(a.out))
-            if (a.out / "fedprox_fedavg_seed1").exists():
-                print("\nseed 1 (another Synthetic(1,1) draw):\n")
-                print(fedprox_table(a.out, "_seed1"))
-        elif rep == "client_drift":
-            for sweep, title in (
-                ("drift_digits", "digits, Dirichlet(0.1), 20 clients"),
-                ("drift_fmnist", "Fashion-MNIST (12k), 2 shards per client, 50 clients"),
-            ):
-                if (a.out / sweep).exists():
-                    print(f"\n{title}:\n")
-                    print(drift_table(a.out, sweep))
-        else:
-            print(dp_table(a.out))
-            print("\nadaptive clipping (Andrew et al. 2021):\n")
-            print(dp_table(a.out, "dp_adaptive"))
-            if (a.out / "dp_fixed_size").exists():
-                print("\nfixed-size cohorts (clipping.sampling=fixed, replace-one accounting):\n")
-                print(dp_table(a.out, "dp_fixed_size"))
+            for name, args in reps[rep].sweeps:
+                wall, cpu = run_sweep(a.out, name, args)
+                print(f"{name}: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
+    new = generate(a.out, chosen)
     if a.figures:
         figures(a.out, a.figures)
+    if a.write or a.check:
+        sys.exit(write_or_check(new, a.doc or list(DOCS), a.check))
+    for (kind, name), text in new.items():
+        print(f"\n## {name}\n\n{text}" if kind == "reproduce" else f"\n{text}")
 
 
 if __name__ == "__main__":
