@@ -282,6 +282,20 @@ def train_metrics(strategy: object, replies: Iterable[Message], key: str) -> Met
     return aggr([m.content for m in replies], key) if callable(aggr) else None
 
 
+def stacked_train_metrics(strategy: object, stacked: Any, key: str) -> MetricRecord | None:
+    """:func:`train_metrics` of the Messages a cohort's stacked replies stand for, without making them."""
+    from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+    from fedsim.strategies.records import average_metrics
+
+    aggr = getattr(strategy, "train_metrics_aggr_fn", None)
+    if not callable(aggr):
+        return None
+    if aggr is aggregate_metricrecords:  # Flower's default, over plain dicts
+        return average_metrics(stacked.metrics, key)
+    return aggr(stacked.metric_contents(), key)
+
+
 def inner_state(inner: object) -> dict[str, Any]:
     """A wrapper's checkpoint entries for the strategy it wraps: its ``state_dict()`` (``inner_state``) and its
     plain-data attributes (``inner_attrs``, see :func:`plain_state`). Nothing is pickled."""

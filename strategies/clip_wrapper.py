@@ -457,13 +457,100 @@ class ClippingWrapper(Wrapper):
             )
             if metrics is not None and not self.debug_metrics:
                 metrics = {k: v for k, v in dict(metrics).items() if k not in _CLIENT_STATISTICS}
-        report = {keys.AGG_CLIP_NORM: c, keys.AGG_NOISE_STD: sigma}
+        report = self._report(server_round, bits)
+        return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
+
+    def takes_stacked(self) -> bool:
+        """Server-side clipping takes a cohort's stacked replies when the strategy it wraps does: it clips (and
+        noises) the rows where they are and hands the inner strategy the stacked releases."""
+        return self.side == "server" and base.takes_stacked(self.strategy)
+
+    def aggregate_stacked(
+        self, server_round: int, stacked: Any
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of ``stacked.replies()`` without making them: each row's update ``y_k - x`` (divided
+        by its ``num-steps`` under FedNova) clipped to ``C`` in float64 where the rows are, the replies rebuilt as
+        ``x + gain (scale clip(d_k) + xi)`` with the noise the per-client form draws (the same generator, the
+        same order), then the inner strategy's ``aggregate_stacked``. Equal to the per-client form up to float64
+        rounding of the norms. Rows the screen let through but whose update is not finite, or parameters that
+        are not the model's, go the per-client way (which drops and names them)."""
+        import torch
+
+        if self.current is None:
+            raise RuntimeError(f"{type(self).__name__}.aggregate_stacked called before configure_train")
+        floats = [k for k, a in self.current.items() if is_float(a)]
+        if not len(stacked) or set(stacked.arrays) != set(self.current):
+            return self.aggregate_train(server_round, stacked.replies())
+        c, m = self.clip_norm, self.clients_per_round
+        rows = len(stacked)
+        device = next(iter(stacked.arrays.values())).device
+        x = {k: torch.as_tensor(np.asarray(self.current[k], np.float64), device=device) for k in floats}
+        tau_pub = self._public_tau_eff()
+        per_step = None
+        if tau_pub is not None:  # FedNova: clip the update per local step, (y_k - x) / tau_k
+            steps = [max(float(mt.get(keys.NUM_STEPS, 1)), 1.0) for mt in stacked.metrics]
+            per_step = torch.tensor(steps, dtype=torch.float64, device=device)
+
+        def update(k: str) -> torch.Tensor:
+            d = stacked.arrays[k].detach().double() - x[k]
+            return d if per_step is None else d / per_step.view(-1, *([1] * (d.dim() - 1)))
+
+        squares = torch.zeros(rows, dtype=torch.float64, device=device)
+        for k in floats:
+            squares += update(k).reshape(rows, -1).square().sum(1)
+        norms = squares.sqrt()
+        if not bool(torch.isfinite(norms).all()):
+            return self.aggregate_train(server_round, stacked.replies())
+        factor = torch.where(norms <= c, torch.ones_like(norms), c / norms)
+        bits = [bool(b) for b in (norms <= c).tolist()]  # True = not clipped
+
+        sigma = noise_std(self.update_noise_multiplier, c, m)
+        scale, gain = 1.0, 1.0 if tau_pub is None else tau_pub
+        shift = dict.fromkeys(floats)
+        if self.dp:
+            scale = rows / m
+            rng = self._rng(server_round, UPDATE_NOISE)
+            shift = {
+                k: torch.as_tensor(rng.normal(0.0, sigma, np.shape(self.current[k])), device=device)
+                for k in floats
+            }
+        arrays = dict(stacked.arrays)
+        for k in floats:
+            d = update(k) * (scale * factor).view(-1, *([1] * (x[k].dim())))
+            if shift[k] is not None:
+                d = d + shift[k]
+            arrays[k] = (x[k] + gain * d).to(stacked.arrays[k].dtype)
+        weight_key = base.weight_key(self.strategy)
+        metrics = stacked.metrics
+        if self.dp:
+            override = {weight_key: 1} if tau_pub is None else {weight_key: 1, keys.NUM_STEPS: float(tau_pub)}
+            metrics = [{**mt, **override} for mt in metrics]
+        rebuilt = type(stacked)(stacked.messages, arrays, metrics)
+        out, aggregated = self.strategy.aggregate_stacked(server_round, rebuilt)
+        if out is None:
+            return None, aggregated
+        if self.dp:  # the replies' own weights: train_loss means the same with and without noise
+            aggregated = base.stacked_train_metrics(self.strategy, stacked, weight_key) or aggregated
+            if aggregated is not None and not self.debug_metrics:
+                aggregated = {k: v for k, v in dict(aggregated).items() if k not in _CLIENT_STATISTICS}
+        return out, MetricRecord(
+            {**(dict(aggregated) if aggregated is not None else {}), **self._report(server_round, bits)}
+        )
+
+    def _report(self, server_round: int, bits: list[bool]) -> dict[str, float]:
+        """The round's clipping metrics from the not-clipped bits of its valid replies (and the round hook's)."""
+        report = {
+            keys.AGG_CLIP_NORM: self.clip_norm,
+            keys.AGG_NOISE_STD: noise_std(
+                self.update_noise_multiplier, self.clip_norm, self.clients_per_round
+            ),
+        }
         if bits and (not self.dp or self.debug_metrics):
             report[keys.AGG_CLIPPED_FRACTION] = 1.0 - float(np.mean(bits))
         if self.dp:
             report[keys.AGG_EPSILON] = self.epsilon()
         report.update(self._after_round(server_round, bits))
-        return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
+        return report
 
     def _public_tau_eff(self) -> float | None:
         """DP over a step-normalised strategy (FedNova): its public ``dp_tau_eff``; otherwise None."""

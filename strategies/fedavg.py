@@ -76,14 +76,23 @@ class FedAvg(FlowerFedAvg):
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         return arrays, metrics
 
+    def combine_stacked(self, stacked: StackedReplies, weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """``combine`` of the stacked rows' models (float64), taken where they are: ``server_step`` of their
+        weighted mean. A subclass that replaces ``combine`` (or ``_parse``) gives its batched form here too,
+        or gets per-client Messages (``takes_stacked``)."""
+        return self.server_step(stacked.weighted_mean(weights))
+
     def takes_stacked(self) -> bool:
-        """True when ``aggregate_stacked`` equals this strategy's ``aggregate_train``: its class keeps
-        FedAvg's ``aggregate_train``, ``combine`` and reply checks, and releases only means."""
+        """True when ``aggregate_stacked`` equals this strategy's ``aggregate_train``: the class that gave
+        ``combine_stacked`` also gave (or inherited) every method it stands in for (``aggregate_train``,
+        ``combine``, the reply checks), and the strategy releases only means or step-normalised means."""
         from fedsim.strategies import composition
 
         cls = type(self)
-        own = all(getattr(cls, n) is getattr(FedAvg, n) for n in _STACKED_METHODS)
-        return own and all(r.kind == composition.MEAN for r in composition.releases(cls))
+        batched = _defined_in(cls, "combine_stacked")
+        own = all(issubclass(batched, _defined_in(cls, n)) for n in _STACKED_METHODS)
+        kinds = (composition.MEAN, composition.NORMALISED)
+        return own and all(r.kind in kinds for r in composition.releases(cls))
 
     def aggregate_stacked(
         self, server_round: int, stacked: StackedReplies
@@ -101,7 +110,7 @@ class FedAvg(FlowerFedAvg):
         if sum(weights) <= 0:
             log.warning("all replies have %s = 0; weighting them equally", key)
             weights = [1.0] * n
-        arrays = to_record(cast_like(self.server_step(stacked.weighted_mean(weights)), stacked.dtypes()))
+        arrays = to_record(cast_like(self.combine_stacked(stacked, weights), stacked.dtypes()))
         if self.train_metrics_aggr_fn is aggregate_metricrecords:  # Flower's default, over plain dicts
             metrics = average_metrics(stacked.metrics, key)
         else:
@@ -109,5 +118,11 @@ class FedAvg(FlowerFedAvg):
         return arrays, metrics
 
 
-# what aggregate_stacked stands in for: a subclass that replaces one of these aggregates per-client Messages
+# what aggregate_stacked stands in for: a subclass that replaces one of these without giving combine_stacked
+# aggregates per-client Messages
 _STACKED_METHODS = ("aggregate_train", "combine", "_parse", "_check_and_log_replies")
+
+
+def _defined_in(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose own body defines ``name``."""
+    return next(k for k in cls.__mro__ if name in vars(k))
