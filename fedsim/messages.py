@@ -21,7 +21,7 @@ from fedsim import keys
 from fedsim.errors import ConfigError
 from fedsim.local import LocalTraining
 from fedsim.seeds import Purpose, torch_generator
-from fedsim.strategies.records import npy_header, to_numpy
+from fedsim.strategies.records import array_values, npy_header, to_numpy
 
 # Train-config keys with a meaning on the client; anything else is "unhandled" (see TrainInstruction).
 DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
@@ -168,7 +168,7 @@ def global_state(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     ref, known, state = _LAST_GLOBAL
     if ref is not None and ref() is arrays and known == ident:
         return state
-    state = arrays.to_torch_state_dict()
+    state = {k: torch.from_numpy(array_values(a)) for k, a in arrays.items()}  # to_torch_state_dict's values
     _LAST_GLOBAL[:] = [weakref.ref(arrays), ident, state]
     return state
 

@@ -57,6 +57,7 @@ capability                    meaning
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -141,6 +142,24 @@ class ReportsSummary(Protocol):
     def summary_fields(self) -> dict[str, Any]: ...
 
 
+_CONFORMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _is(strategy: object, protocol: type) -> bool:
+    """``isinstance(strategy, protocol)``, remembered per strategy object: a runtime-checkable Protocol's check
+    looks up every member each time, and the loop asks a few of them every round."""
+    try:
+        known = _CONFORMS.get(strategy)
+        if known is None:
+            known = _CONFORMS[strategy] = {}
+    except TypeError:  # not weakly referable or not hashable
+        return isinstance(strategy, protocol)
+    hit = known.get(protocol)
+    if hit is None:
+        hit = known[protocol] = isinstance(strategy, protocol)
+    return hit
+
+
 def unwrap(strategy: object) -> object:
     """The strategy inside wrappers (a wrapper keeps the strategy it wraps as ``.strategy``)."""
     from flwr.serverapp.strategy import Strategy
@@ -168,7 +187,7 @@ def state_dict(strategy: object) -> dict[str, Any] | None:
 
 def check_cohort(strategy: object, clients_per_round: int) -> None:
     """Let a strategy that needs a minimum cohort refuse ``clients_per_round`` (``ConfigError``)."""
-    if isinstance(strategy, ChecksCohort):
+    if _is(strategy, ChecksCohort):
         strategy.check_cohort(clients_per_round)
 
 
@@ -176,7 +195,7 @@ def sample_cohort(
     strategy: object, server_round: int, num_clients: int, clients_per_round: int
 ) -> list[int] | None:
     """The strategy's own cohort for ``server_round`` (sorted partition ids), or None to let the loop draw it."""
-    if isinstance(strategy, SamplesCohort):  # a wrapper may answer None: its inner strategy draws none either
+    if _is(strategy, SamplesCohort):  # a wrapper may answer None: its inner strategy draws none either
         cohort = strategy.sample_cohort(server_round, num_clients, clients_per_round)
         return None if cohort is None else sorted(int(p) for p in cohort)
     return None
@@ -188,7 +207,7 @@ def decode_replies(strategy: object, replies: list[Message], current: Any) -> li
     from flwr.serverapp.strategy import Strategy
 
     while strategy is not None:
-        if isinstance(strategy, DecodesReplies):
+        if _is(strategy, DecodesReplies):
             return strategy.decode_replies(replies, current)
         inner = getattr(strategy, "strategy", None)
         strategy = inner if isinstance(inner, (Strategy, AsyncStrategy)) else None
@@ -202,7 +221,7 @@ def releases_every_round(strategy: object) -> bool:
     from flwr.serverapp.strategy import Strategy
 
     while strategy is not None:
-        if isinstance(strategy, ReleasesEveryRound):
+        if _is(strategy, ReleasesEveryRound):
             return bool(strategy.releases_every_round)
         inner = getattr(strategy, "strategy", None)
         strategy = inner if isinstance(inner, (Strategy, AsyncStrategy)) else None
@@ -212,12 +231,12 @@ def releases_every_round(strategy: object) -> bool:
 def takes_stacked(strategy: object) -> bool:
     """True when the loop may hand ``strategy`` (the outermost, wrappers included) a cohort's train replies as
     stacked tensors (:class:`AggregatesStacked`) instead of per-client Messages."""
-    return isinstance(strategy, AggregatesStacked) and bool(strategy.takes_stacked())
+    return _is(strategy, AggregatesStacked) and bool(strategy.takes_stacked())
 
 
 def round_fields(strategy: object, partition_ids: Iterable[int]) -> dict[str, Any]:
     """The strategy's metrics.jsonl fields about a round whose valid replies came from ``partition_ids``."""
-    return dict(strategy.round_fields(list(partition_ids))) if isinstance(strategy, ReportsRound) else {}
+    return dict(strategy.round_fields(list(partition_ids))) if _is(strategy, ReportsRound) else {}
 
 
 def choose_cohort(
@@ -257,7 +276,7 @@ def select_cohort(
 
     ``losses(partition_ids)`` asks those clients for their local loss under the current global model.
     """
-    if isinstance(strategy, SelectsCohort):  # a wrapper may answer None: no rule inside it selects either
+    if _is(strategy, SelectsCohort):  # a wrapper may answer None: no rule inside it selects either
         cohort = strategy.select_cohort(server_round, num_clients, clients_per_round, losses, sizes)
         return None if cohort is None else sorted(int(p) for p in cohort)
     return None
@@ -265,7 +284,7 @@ def select_cohort(
 
 def summary_fields(strategy: object) -> dict[str, Any]:
     """The strategy's entries for summary.json (empty when it has none)."""
-    return dict(strategy.summary_fields()) if isinstance(strategy, ReportsSummary) else {}
+    return dict(strategy.summary_fields()) if _is(strategy, ReportsSummary) else {}
 
 
 def weight_key(strategy: object) -> str:

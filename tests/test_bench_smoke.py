@@ -72,3 +72,29 @@ def test_async_vs_sync_bench_runs_the_sweep_and_prints_its_table(tmp_path):
     strategies = [p[0] for p in lines if len(p) == 4 and p[1] == "0"]
     assert strategies == ["fedavg", "fedasync", "fedbuff"]
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # runs a benchmark script in fresh processes
+def test_host_work_bench_times_its_pieces_and_the_per_client_slope(tmp_path):
+    import json
+
+    child = _run(str(BENCH / "host_work.py"), "--child", "--rounds", "4")
+    pieces = json.loads(child.strip().splitlines()[-1])
+    # every timer found its function: the steps, the evaluation and the host work are all measured
+    assert pieces["steps"] > 0 and pieces["evaluation"] > 0 and pieces["host"] > 0 and pieces["clients"] == 10
+    assert pieces["round"] > max(pieces["steps"], pieces["evaluation"], pieces["host"])  # medians, not a sum
+    out = _run(
+        str(BENCH / "host_work.py"),
+        "--pythons",
+        f"a={sys.executable},b={sys.executable}",
+        "--rounds",
+        "4",
+        "--repeat",
+        "1",
+        "--load",
+        "idle",
+        "--cohorts",
+        "2,4",
+    )
+    assert "host, 2 clients" in out and "host, 4 clients" in out
+    assert "(idle) host work per added client, a / b:" in out
