@@ -78,6 +78,8 @@ ROBUST = f"experiment=robustness {RULES}"
 ROBUST_FMNIST = "experiment=robustness dataset=fashion_mnist num_clients=100"
 SELECTION = "checkpoint_every=0 num_clients=50 clients_per_round=5 partitioner.alpha=0.3 num_rounds=60 target_accuracy=0.85 "
 COMPRESSION = "num_rounds=30 checkpoint_every=0 "
+ALIE_PAPER = "experiment=alie_paper attack=none,alie seed=0,1,2"
+SIMILARITY = "experiment=scaffold_similarity partitioner.similarity=0,0.1,1 seed=0,1,2"
 
 
 def _reproductions() -> dict[str, Reproduction]:
@@ -195,6 +197,40 @@ def _reproductions() -> dict[str, Reproduction]:
                 ),
             ],
             {"robustness_fmnist": lambda out: robustness_table(out, "robust_fmnist", seeds=False)},
+            "Fashion-MNIST",
+        ),
+        # Section 6: at the papers' own scale (more clients, seeds and the papers' settings; Fashion-MNIST)
+        "fedavg_mnist_seeds": Reproduction(
+            [
+                ("fmnist_seeds_fedsgd", "experiment=fedavg_mnist partitioner=iid,shards client=fedsgd seed=0,1,2"),
+                (
+                    "fmnist_seeds_fedavg",
+                    "experiment=fedavg_mnist partitioner=iid,shards client.local_epochs=1,5 "
+                    "client.batch_size=50,10 num_rounds=60 seed=0,1,2",
+                ),
+            ],
+            {"fedavg_mnist_seeds": lambda out: fedavg_seeds_table(out, "fmnist_seeds", (0.80, 0.70))},
+            "Fashion-MNIST",
+        ),
+        "alie_paper": Reproduction(
+            [
+                ("alie_paper_mean_median", f"{ALIE_PAPER} strategy=fedavg,fedmedian"),
+                ("alie_paper_trimmed", f"{ALIE_PAPER} strategy=fedtrimmedavg strategy.beta=0.24"),
+                ("alie_paper_krum", f"{ALIE_PAPER} strategy=krum strategy.num_malicious=12"),
+            ],
+            {"alie_paper": alie_paper_table},
+            "Fashion-MNIST",
+        ),
+        "scaffold_similarity": Reproduction(
+            [
+                ("similarity_fedavg_scaffold", f"{SIMILARITY} strategy=fedavg,scaffold client.local_steps=5,25"),
+                (
+                    "similarity_fedprox",
+                    f"{SIMILARITY} strategy=fedprox strategy.proximal_mu=1 client.local_steps=5,25",
+                ),
+                ("similarity_sgd", f"{SIMILARITY} strategy=fedavg client.local_steps=1 client.lr=0.5"),
+            ],
+            {"scaffold_similarity": scaffold_similarity_table},
             "Fashion-MNIST",
         ),
         "selection": Reproduction(
@@ -590,6 +626,17 @@ def robustness_table(out: Path, prefix: str, seeds: bool) -> str:
     )
     return "\n".join(lines)
 
+
+def fedavg_seeds_table(out: Path, prefix: str, targets: tuple[float, float]) -> str:
+    raise NotImplementedError
+
+
+def alie_paper_table(out: Path) -> str:
+    raise NotImplementedError
+
+
+def scaffold_similarity_table(out: Path) -> str:
+    raise NotImplementedError
 
 def selection_table(out: Path) -> str:
     by: dict[str, dict[int, dict]] = {}
