@@ -58,6 +58,16 @@ PAPER_FEDAVG_CNN = {
 }
 
 
+# Baruch et al. 2019 (arXiv 1902.06156), MNIST accuracy per defence without and with ALIE:
+# defence -> (no attack, ALIE). Empty: the paper's table could not be checked where these tables were written,
+# so its columns read "–" (see docs/reproductions.md, section 6).
+PAPER_ALIE_MNIST: dict[str, tuple[str, str]] = {}
+
+# Karimireddy et al. 2020 (arXiv 1910.06378), EMNIST logistic regression, rounds to 0.5 test accuracy:
+# (method label as in scaffold_similarity_table, similarity) -> rounds. Empty for the same reason.
+PAPER_SCAFFOLD_EMNIST: dict[tuple[str, float], int] = {}
+
+
 @dataclass
 class Reproduction:
     sweeps: list[tuple[str, str]]  # (sweep name, fedsim -m arguments)
@@ -78,6 +88,8 @@ ROBUST = f"experiment=robustness {RULES}"
 ROBUST_FMNIST = "experiment=robustness dataset=fashion_mnist num_clients=100"
 SELECTION = "checkpoint_every=0 num_clients=50 clients_per_round=5 partitioner.alpha=0.3 num_rounds=60 target_accuracy=0.85 "
 COMPRESSION = "num_rounds=30 checkpoint_every=0 "
+ALIE_PAPER = "experiment=alie_paper attack=none,alie seed=0,1,2"
+SIMILARITY = "experiment=scaffold_similarity partitioner.similarity=0,0.1,1 seed=0,1,2"
 
 
 def _reproductions() -> dict[str, Reproduction]:
@@ -195,6 +207,46 @@ def _reproductions() -> dict[str, Reproduction]:
                 ),
             ],
             {"robustness_fmnist": lambda out: robustness_table(out, "robust_fmnist", seeds=False)},
+            "Fashion-MNIST",
+        ),
+        # Section 6: at the papers' own scale (more clients, seeds and the papers' settings; Fashion-MNIST)
+        "fedavg_mnist_seeds": Reproduction(
+            [
+                (
+                    "fmnist_seeds_fedsgd",
+                    "experiment=fedavg_mnist partitioner=iid,shards client=fedsgd seed=0,1,2",
+                ),
+                (
+                    "fmnist_seeds_fedavg",
+                    "experiment=fedavg_mnist partitioner=iid,shards client.local_epochs=1,5 "
+                    "client.batch_size=50,10 num_rounds=60 seed=0,1,2",
+                ),
+            ],
+            {"fedavg_mnist_seeds": lambda out: fedavg_seeds_table(out, "fmnist_seeds", (0.80, 0.70))},
+            "Fashion-MNIST",
+        ),
+        "alie_paper": Reproduction(
+            [
+                ("alie_paper_mean_median", f"{ALIE_PAPER} strategy=fedavg,fedmedian"),
+                ("alie_paper_trimmed", f"{ALIE_PAPER} strategy=fedtrimmedavg strategy.beta=0.24"),
+                ("alie_paper_krum", f"{ALIE_PAPER} strategy=krum strategy.num_malicious=12"),
+            ],
+            {"alie_paper": alie_paper_table},
+            "Fashion-MNIST",
+        ),
+        "scaffold_similarity": Reproduction(
+            [
+                (
+                    "similarity_fedavg_scaffold",
+                    f"{SIMILARITY} strategy=fedavg,scaffold client.local_steps=5,25",
+                ),
+                (
+                    "similarity_fedprox",
+                    f"{SIMILARITY} strategy=fedprox strategy.proximal_mu=1 client.local_steps=5,25",
+                ),
+                ("similarity_sgd", f"{SIMILARITY} strategy=fedavg client.local_steps=1 client.lr=0.5"),
+            ],
+            {"scaffold_similarity": scaffold_similarity_table},
             "Fashion-MNIST",
         ),
         "selection": Reproduction(
@@ -588,6 +640,163 @@ def robustness_table(out: Path, prefix: str, seeds: bool) -> str:
     lines.append(
         f"\nSeeds: {', '.join(map(str, ran))}" + ("; mean ± sample std over them." if seeds else ".")
     )
+    return "\n".join(lines)
+
+
+def _rounds_stat(found: list[dict], target: float) -> tuple[str, float | None]:
+    """Rounds to target over seeds: 'mean ± std' (and the mean) when every seed reached it, else how many did."""
+    rs = [rounds_to(s["records"], target) for s in found]
+    if None in rs:
+        cap = max(s["rounds_done"] for s in found)
+        got = [r for r in rs if r is not None]
+        return f"> {cap} ({len(got)} of {len(rs)} reached)" if got else f"> {cap}", None
+    mean = statistics.mean(rs)
+    return (f"{mean:.1f} ± {statistics.stdev(rs):.1f}" if len(rs) > 1 else str(rs[0])), mean
+
+
+def _per_seed(found: list[dict], target: float) -> str:
+    return ", ".join(_reached(s["records"], target, s["rounds_done"]) for s in found)
+
+
+def fedavg_seeds_table(out: Path, prefix: str, targets: tuple[float, float]) -> str:
+    """fedavg_table over seeds: rounds to target per seed, their mean ± sample std, the speed-up of the means
+    over FedSGD's, and the paper's Table 2 CNN figures for the same E and B."""
+    rows: dict[tuple, dict[str, list[dict]]] = {}
+    for sweep in (f"{prefix}_fedsgd", f"{prefix}_fedavg"):
+        for s in runs(out, sweep):
+            rows.setdefault(_label_eb(s), {}).setdefault(s["choices"]["partitioner"], []).append(s)
+    base = rows.get(("FedSGD", 1, "inf"), {})
+    seeds = sorted({s["config"]["seed"] for r in rows.values() for got in r.values() for s in got})
+    lines = [
+        f"| method | E | B | u | IID: rounds to {targets[0]:.2f}, seeds {', '.join(map(str, seeds))} | IID: mean ± std "
+        f"| shards: rounds to {targets[1]:.2f}, per seed | shards: mean ± std | paper IID (to 99 %) "
+        "| paper non-IID (to 99 %) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def order(k):
+        return k[0] != "FedSGD", k[1], k[2] != "inf", -int(k[2]) if k[2] != "inf" else 0
+
+    sgd = PAPER_FEDAVG_CNN[("FedSGD", 1, "inf")]
+    for key in sorted(rows, key=order):
+        cells = []
+        for part, tgt in (("iid", targets[0]), ("shards", targets[1])):
+            got = sorted(rows[key].get(part, []), key=lambda s: s["config"]["seed"])
+            if not got:
+                cells += ["–", "–"]
+                continue
+            stat, mean = _rounds_stat(got, tgt)
+            _, bmean = _rounds_stat(base[part], tgt) if part in base else ("", None)
+            if key[0] != "FedSGD" and mean and bmean:
+                stat += f" ({bmean / mean:.1f}×)"
+            cells += [_per_seed(got, tgt), stat]
+        any_run = next(iter(rows[key].values()))[0]
+        n = any_run["partitions"]["num_examples"] / any_run["partitions"]["num_clients"]
+        u = key[1] if key[2] == "inf" else key[1] * math.ceil(n / int(key[2]))
+        paper = PAPER_FEDAVG_CNN.get(key)
+        if paper is None:
+            pcells = ["–", "–"]
+        elif key[0] == "FedSGD":
+            pcells = [str(paper[0]), str(paper[1])]
+        else:
+            pcells = [f"{paper[i]} ({sgd[i] / paper[i]:.1f}×)" for i in (0, 1)]
+        lines.append(
+            f"| {key[0]} | {key[1]} | {key[2].replace('inf', '∞')} | {u} | "
+            + " | ".join(cells + pcells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def _alie_rule(s: dict) -> str:
+    return {
+        "fedavg": "no defence (mean)",
+        "fedmedian": "coordinate-wise median",
+        "fedtrimmedavg": f"trimmed mean (β = {s['config']['strategy'].get('beta', 0):g})",
+        "krum": f"Krum (f = {s['config']['strategy'].get('num_malicious', 0)})",
+    }[s["choices"]["strategy"]]
+
+
+def alie_paper_table(out: Path) -> str:
+    """Final test accuracy (mean ± sample std over seeds) per defence without and with ALIE at n = 50, m = 12,
+    the best accuracy over the rounds, the attackers counted in every round, and the paper's MNIST figures."""
+    cells: dict[str, dict[str, list[dict]]] = {}
+    for sweep, _ in _reproductions()["alie_paper"].sweeps:
+        for s in runs(out, sweep):
+            cells.setdefault(_alie_rule(s), {}).setdefault(s["choices"]["attack"], []).append(s)
+    attacked = [s for c in cells.values() for s in c.get("alie", [])]
+    z = alie_z(attacked[0])
+    n = attacked[0]["config"]["clients_per_round"]
+    mal = [r.get("malicious", 0) for s in attacked for r in s["records"] if r["round"] > 0]
+    seeds = sorted({s["config"]["seed"] for c in cells.values() for got in c.values() for s in got})
+    lines = [
+        f"| defence | no attack: final acc | ALIE (z = {z:.2f}): final acc | drop (no attack − ALIE, final) "
+        "| no attack: mean acc over the rounds | ALIE: mean acc over the rounds | ALIE: best acc over the rounds "
+        "| paper MNIST: no attack | paper MNIST: ALIE |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for rule in sorted(cells, key=lambda r: ("no defence" not in r, r)):
+        clean, alie = cells[rule].get("none", []), cells[rule].get("alie", [])
+        fc = [s["final_eval_accuracy"] for s in clean]
+        fa = [s["final_eval_accuracy"] for s in alie]
+        best = [
+            max(r["eval_accuracy"] for r in s["records"] if r.get("eval_accuracy") is not None) for s in alie
+        ]
+        drop = f"{statistics.mean(fc) - statistics.mean(fa):+.3f}" if fc and fa else "–"
+        paper = PAPER_ALIE_MNIST.get(rule.split(" (")[0], ("–", "–"))
+        mc = [_mean_acc(s["records"]) for s in clean]
+        ma = [_mean_acc(s["records"]) for s in alie]
+        cols = [_mean_std(v) if v else "–" for v in (fc, fa)] + [drop]
+        cols += [_mean_std(v) if v else "–" for v in (mc, ma, best)] + list(paper)
+        lines.append(f"| {rule} | " + " | ".join(cols) + " |")
+    lines.append(
+        f"\nSeeds: {', '.join(map(str, seeds))}; mean ± sample std over them. Attackers among the {n} replies "
+        + (
+            f"of every attacked round: {mal[0]}"
+            if min(mal) == max(mal)
+            else f"per round: {min(mal)} to {max(mal)}"
+        )
+        + f" ({len(mal)} rounds)."
+    )
+    return "\n".join(lines)
+
+
+def _similarity_method(s: dict) -> tuple[int, str]:
+    c, name = s["config"], s["choices"]["strategy"]
+    steps = int(c["client"]["local_steps"])
+    if steps == 1:
+        return 0, f"SGD (1 step, lr {c['client']['lr']:g})"
+    e = steps // 5  # one epoch = 5 steps of 0.2 of the client's data
+    label = {"fedavg": "FedAvg", "fedprox": f"FedProx (μ = {c['strategy'].get('proximal_mu', 0):g})"}.get(
+        name, "SCAFFOLD"
+    )
+    return {"fedavg": 1, "fedprox": 2}.get(name, 3) * 10 + e, f"{label}, E = {e}"
+
+
+def scaffold_similarity_table(out: Path) -> str:
+    """Rounds to target (mean ± sample std over seeds) per method and similarity s, beside the paper's."""
+    cells: dict[tuple[int, str], dict[float, list[dict]]] = {}
+    for sweep, _ in _reproductions()["scaffold_similarity"].sweeps:
+        for s in runs(out, sweep):
+            sim = float(s["config"]["partitioner"]["similarity"])
+            cells.setdefault(_similarity_method(s), {}).setdefault(sim, []).append(s)
+    sims = sorted({k for v in cells.values() for k in v})
+    any_run = next(iter(next(iter(cells.values())).values()))[0]
+    target = any_run["target_accuracy"]
+    seeds = sorted({s["config"]["seed"] for v in cells.values() for got in v.values() for s in got})
+    lines = [
+        "| method | "
+        + " | ".join(f"s = {x:.0%}: rounds to {target:.2f}" for x in sims)
+        + " | "
+        + " | ".join(f"paper, s = {x:.0%} (EMNIST, to 0.5)" for x in sims)
+        + " |",
+        "|---|" + "---|" * (2 * len(sims)),
+    ]
+    for key in sorted(cells):
+        row = [_rounds_stat(cells[key][x], target)[0] if x in cells[key] else "–" for x in sims]
+        paper = [str(PAPER_SCAFFOLD_EMNIST.get((key[1], x), "–")) for x in sims]
+        lines.append(f"| {key[1]} | " + " | ".join(row + paper) + " |")
+    lines.append(f"\nSeeds: {', '.join(map(str, seeds))}; mean ± sample std of the rounds over them.")
     return "\n".join(lines)
 
 

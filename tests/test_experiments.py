@@ -132,6 +132,29 @@ def test_fedavg_mnist_is_the_paper_setting():
     assert (fedsgd.client.batch_size, fedsgd.client.local_steps) == (0, 1)
 
 
+def test_alie_paper_is_the_paper_setting():
+    """n = 50 all in every round, 12 attackers (24 %), the paper's z from its formula (~0.58), one local step."""
+    from fedsim.attacks import alie_z, malicious_clients
+
+    cfg = compose_cfg("experiment=alie_paper")
+    n = cfg.num_clients
+    assert n == cfg.clients_per_round == 50
+    attackers = malicious_clients(cfg.seed, n, cfg.attack.fraction)
+    assert len(attackers) == 12 and cfg.attack.z is None
+    assert alie_z(n, len(attackers)) == pytest.approx(0.583, abs=1e-3)  # s = 26 - 12 = 14, Phi^-1(36/50)
+    assert (cfg.client.local_steps, list(cfg.model.hidden)) == (1, [100])
+    assert cfg.partitioner._target_.endswith(".iid")
+
+
+def test_scaffold_similarity_is_the_paper_setting():
+    cfg = compose_cfg("experiment=scaffold_similarity")
+    assert cfg.clients_per_round / cfg.num_clients == pytest.approx(0.2)  # 20 % of the clients per round
+    per_client = 60000 // cfg.num_clients
+    assert cfg.client.batch_size == pytest.approx(0.2 * per_client)  # batches of 0.2 of a client's data
+    assert cfg.client.local_steps == 5  # one epoch = 5 steps
+    assert cfg.model._target_.endswith("logreg") and cfg.partitioner._target_.endswith(".similarity")
+
+
 def test_fedavg_shards_give_two_classes_and_record_target(tmp_path):
     # 5 clients, 10 shards of the 200 stand-in images (20 per class): every shard holds one class
     from fedsim.run import run_experiment

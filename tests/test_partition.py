@@ -51,6 +51,7 @@ RANDOM_PARTITIONERS = {
     "dirichlet": partial(P.dirichlet, alpha=0.5, min_size=2),
     "shards": partial(P.shards, shards_per_client=2),
     "quantity": partial(P.quantity, exponent=1.5, min_size=2),
+    "similarity": partial(P.similarity, similarity=0.1),
 }
 
 
@@ -159,6 +160,44 @@ def gini(sizes) -> float:
     s = np.sort(np.asarray(sizes, dtype=float))
     n = s.size
     return float((2 * np.arange(1, n + 1) - n - 1) @ s / (n * s.sum()))
+
+
+@pytest.mark.parametrize("s", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("n", [1000, 997])
+def test_similarity_sizes_iid_share_and_label_skew(s, n):
+    labels = LABELS[:n]
+    k = 20
+    parts = P.similarity(labels, k, np.random.default_rng(3), similarity=s)
+    assert_valid(parts, n, k)
+    sizes = np.array([p.size for p in parts])
+    assert sizes.max() - sizes.min() <= 1 and sizes.sum() == n  # the iid split's sizes
+    assert same(parts, P.similarity(labels, k, np.random.default_rng(3), similarity=s))
+    assert not same(parts, P.similarity(labels, k, np.random.default_rng(4), similarity=s))
+    classes = [np.unique(labels[p]).size for p in parts]
+    if s == 0.0:  # 50 examples from a run sorted by label: one class, or two where a run spans a boundary
+        assert max(classes) <= 2
+    if s == 1.0:
+        assert np.mean(classes) > 8  # 50 IID draws over 10 classes
+    if s == 0.5:
+        assert np.mean(classes) > 2
+
+
+def test_similarity_iid_share_is_exact():
+    """Rebuild the draw: the first round(s * n_k) of each client's examples in the shuffled order are IID."""
+    labels, k, s = LABELS, 10, 0.3
+    parts = P.similarity(labels, k, np.random.default_rng(7), similarity=s)
+    perm = np.random.default_rng(7).permutation(labels.size)
+    pool = set(perm[: round(s * 100) * k].tolist())  # 1000 / 10 = 100 examples per client
+    for p in parts:
+        assert len(pool & set(p.tolist())) == round(s * 100)
+        rest = sorted(set(p.tolist()) - pool)
+        assert np.unique(labels[rest]).size <= 3  # 70 cut from the label-sorted rest (about 70 a class)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "x", float("nan")])
+def test_similarity_bad_value_names_its_key(bad):
+    with pytest.raises(ConfigError, match="similarity"):
+        P.similarity(LABELS, 20, np.random.default_rng(0), similarity=bad)
 
 
 def test_quantity_sizes_are_skewed_and_labels_mixed():
@@ -412,6 +451,7 @@ def test_expected_partitioner_configs_exist():
         "quantity",
         "natural",
         "flwr_datasets",
+        "similarity",
     }
 
 

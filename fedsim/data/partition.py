@@ -30,6 +30,7 @@ __all__ = [
     "natural",
     "quantity",
     "shards",
+    "similarity",
     "split_train_val",
     "ClientSplits",
 ]
@@ -241,6 +242,49 @@ def shards(
     owner = np.empty(n, dtype=np.int64)
     owner[_grouped_by_label(labels, rng)] = client_of_shard[shard_of_position]
     return _parts_from_owner(owner, k, "shards_per_client", shards_per_client)
+
+
+def similarity(
+    labels: np.ndarray,
+    num_clients: int,
+    rng: np.random.Generator,
+    groups=None,
+    similarity: float = 0.1,
+) -> list[np.ndarray]:
+    """The similarity split of SCAFFOLD's EMNIST experiment (Karimireddy et al. 2020, arXiv 1910.06378).
+
+    A share ``similarity`` (s) of each client's data is drawn IID; the rest comes from the data sorted by
+    label. Client sizes are equal to within one (as :func:`iid`); client ``k`` of size ``n_k`` gets
+    ``round(s * n_k)`` examples from a uniformly shuffled pool and the other ``n_k - round(s * n_k)`` as one
+    contiguous run of the remaining examples sorted by label (random order within a label), the runs dealt to
+    the clients in random order. s = 1 is an IID split, s = 0 the most label-skewed one (a client sees one or
+    two classes when clients hold fewer examples than a class).
+
+    Parameters
+    ----------
+    labels, num_clients, rng, groups
+        As in :func:`iid`; ``groups`` is ignored.
+    similarity : float
+        Share of each client's data drawn IID, in [0, 1].
+
+    Returns
+    -------
+    list of np.ndarray
+        One sorted ``int64`` index array per client.
+    """
+    labels, k = _check_labels(labels, num_clients)
+    s = number("similarity", similarity, 0.0, 1.0)
+    n = labels.size
+    sizes = _equal_sizes(n, k)
+    shared = np.rint(s * sizes).astype(np.int64)
+    perm = rng.permutation(n)
+    pool, rest = perm[: shared.sum()], perm[shared.sum() :]
+    owner = np.empty(n, dtype=np.int64)
+    owner[pool] = np.repeat(np.arange(k), shared)
+    rest = rest[np.argsort(labels[rest], kind="stable")]  # sorted by label, random order within a label
+    order = rng.permutation(k)  # which client gets which run of the sorted data
+    owner[rest] = np.repeat(order, (sizes - shared)[order])
+    return _parts_from_owner(owner, k, "similarity", similarity)
 
 
 def quantity(
