@@ -58,6 +58,22 @@ PAPER_FEDAVG_CNN = {
 }
 
 
+def _local_updates(key: tuple, run: dict) -> int:
+    """u = E * ceil(n / B) local updates a round (E with B = inf) for a (method, E, B) row, n the mean client size."""
+    n = run["partitions"]["num_examples"] / run["partitions"]["num_clients"]
+    return key[1] if key[2] == "inf" else key[1] * math.ceil(n / int(key[2]))
+
+
+def _paper_cells(key: tuple, paper: tuple | None) -> list[str]:
+    """The paper's IID and non-IID rounds for a row, with the speed-up over its FedSGD row ("–" without one)."""
+    if paper is None:
+        return ["–", "–"]
+    if key[0] == "FedSGD":
+        return [str(paper[0]), str(paper[1])]
+    sgd = PAPER_FEDAVG_CNN[("FedSGD", 1, "inf")]
+    return [f"{paper[i]} ({sgd[i] / paper[i]:.1f}×)" for i in (0, 1)]
+
+
 # Baruch et al. 2019 (arXiv 1902.06156), MNIST accuracy per defence without and with ALIE:
 # defence -> (no attack, ALIE). Empty: the paper's table could not be checked where these tables were written,
 # so its columns read "–" (see docs/reproductions.md, section 6).
@@ -373,16 +389,9 @@ def fedavg_table(out: Path, prefix: str, targets: tuple[float, float], also: flo
             s = rows[key].get("shards")
             cells.append(_reached(s["records"], also, s["rounds_done"]) if s else "–")
         any_run = next(iter(rows[key].values()))
-        n = any_run["partitions"]["num_examples"] / any_run["partitions"]["num_clients"]
-        u = key[1] if key[2] == "inf" else key[1] * math.ceil(n / int(key[2]))
+        u = _local_updates(key, any_run)
         paper = None if key == ("FedAvg", 1, "inf") else PAPER_FEDAVG_CNN.get(key)  # FedSGD's algorithm
-        sgd = PAPER_FEDAVG_CNN[("FedSGD", 1, "inf")]
-        if paper is None:
-            pcells = ["–", "–"]
-        elif key[0] == "FedSGD":
-            pcells = [str(paper[0]), str(paper[1])]
-        else:
-            pcells = [f"{paper[i]} ({sgd[i] / paper[i]:.1f}×)" for i in (0, 1)]
+        pcells = _paper_cells(key, paper)
         lr = any_run["config"]["client"]["lr"]
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2].replace('inf', '∞')} | {lr:g} | {u} | "
@@ -677,7 +686,6 @@ def fedavg_seeds_table(out: Path, prefix: str, targets: tuple[float, float]) -> 
     def order(k):
         return k[0] != "FedSGD", k[1], k[2] != "inf", -int(k[2]) if k[2] != "inf" else 0
 
-    sgd = PAPER_FEDAVG_CNN[("FedSGD", 1, "inf")]
     for key in sorted(rows, key=order):
         cells = []
         for part, tgt in (("iid", targets[0]), ("shards", targets[1])):
@@ -691,15 +699,8 @@ def fedavg_seeds_table(out: Path, prefix: str, targets: tuple[float, float]) -> 
                 stat += f" ({bmean / mean:.1f}×)"
             cells += [_per_seed(got, tgt), stat]
         any_run = next(iter(rows[key].values()))[0]
-        n = any_run["partitions"]["num_examples"] / any_run["partitions"]["num_clients"]
-        u = key[1] if key[2] == "inf" else key[1] * math.ceil(n / int(key[2]))
-        paper = PAPER_FEDAVG_CNN.get(key)
-        if paper is None:
-            pcells = ["–", "–"]
-        elif key[0] == "FedSGD":
-            pcells = [str(paper[0]), str(paper[1])]
-        else:
-            pcells = [f"{paper[i]} ({sgd[i] / paper[i]:.1f}×)" for i in (0, 1)]
+        u = _local_updates(key, any_run)
+        pcells = _paper_cells(key, PAPER_FEDAVG_CNN.get(key))
         lines.append(
             f"| {key[0]} | {key[1]} | {key[2].replace('inf', '∞')} | {u} | "
             + " | ".join(cells + pcells)
