@@ -8,17 +8,21 @@ import numpy as np
 
 from fedsim.strategies.aggregate import coordinate_median
 from fedsim.strategies.composition import ROBUST, Release
-from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.fedavgm import ServerMomentum
 
 
-class FedMedian(FedAvg):
+class FedMedian(ServerMomentum):
     """The new global model is the coordinate-wise median of the client models (weights are ignored).
 
     Same result as Flower's ``FedMedian``, which however pops the arrays out of the replies it is given;
-    this one leaves them untouched.
+    this one leaves them untouched. ``server_momentum`` > 0 (or ``server_learning_rate`` != 1) takes a server
+    SGD step with momentum towards the median instead of jumping to it (``ServerMomentum``), as the distributed
+    SGD of the robust-aggregation papers does.
 
     Parameters
     ----------
+    server_learning_rate, server_momentum : float
+        The server step (``ServerMomentum``); 1 and 0, the defaults, make the median the new model.
     **kwargs
         Passed to ``FedAvg``.
     """
@@ -28,5 +32,5 @@ class FedMedian(FedAvg):
     def combine(
         self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
     ) -> dict[str, np.ndarray]:
-        """Coordinate-wise median of ``models``."""
-        return coordinate_median(models)
+        """The server step towards the coordinate-wise median of ``models``."""
+        return self.server_step(coordinate_median(models))

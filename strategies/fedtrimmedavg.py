@@ -11,20 +11,24 @@ import numpy as np
 from fedsim.checks import integer, number
 from fedsim.strategies.aggregate import trimmed_mean
 from fedsim.strategies.composition import ROBUST, Release
-from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.fedavgm import ServerMomentum
 
 log = logging.getLogger("fedsim")
 
 
-class FedTrimmedAvg(FedAvg):
+class FedTrimmedAvg(ServerMomentum):
     """Per coordinate, drop the ``floor(beta * n)`` largest and smallest client values and average the rest.
 
     Weights are ignored. Same result as Flower's ``FedTrimmedAvg`` without its popping of the replies' arrays.
+    ``server_momentum`` > 0 (or ``server_learning_rate`` != 1) takes a server SGD step with momentum towards
+    the trimmed mean instead (``ServerMomentum``).
 
     Parameters
     ----------
     beta : float
         Fraction trimmed from each end, in [0, 0.5); it should exceed the fraction of Byzantine clients.
+    server_learning_rate, server_momentum : float
+        The server step (``ServerMomentum``); 1 and 0, the defaults, make the trimmed mean the new model.
     **kwargs
         Passed to ``FedAvg``.
     """
@@ -54,5 +58,5 @@ class FedTrimmedAvg(FedAvg):
     def combine(
         self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
     ) -> dict[str, np.ndarray]:
-        """Coordinate-wise beta-trimmed mean of ``models``."""
-        return trimmed_mean(models, self.beta)
+        """The server step towards the coordinate-wise beta-trimmed mean of ``models``."""
+        return self.server_step(trimmed_mean(models, self.beta))

@@ -13,14 +13,14 @@ from fedsim.checks import integer
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
 from fedsim.strategies.composition import ROBUST, Release
-from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.fedavgm import ServerMomentum
 from fedsim.strategies.flower_names import alias
 from fedsim.strategies.records import to_record
 
 log = logging.getLogger("fedsim")
 
 
-class Krum(FedAvg):
+class Krum(ServerMomentum):
     """Keep the ``num_selected`` client models with the lowest Krum scores and average them uniformly.
 
     A model's score is the sum of squared L2 distances (over its floating-point arrays) to its
@@ -34,6 +34,8 @@ class Krum(FedAvg):
     raises ``ConfigError``, which the loop records as a skipped round (set ``min_replies`` to at least
     ``max(2f + 3, num_selected + f)`` to skip such rounds before aggregation). Inside Flower's own round loop
     (``start``, a plain Flower ServerApp) such a round is skipped with a warning and the model is kept.
+    ``server_momentum`` > 0 (or ``server_learning_rate`` != 1) takes a server SGD step with momentum towards
+    the selected models' mean instead (``ServerMomentum``).
 
     Parameters
     ----------
@@ -41,6 +43,8 @@ class Krum(FedAvg):
         Number ``f`` of Byzantine clients tolerated, >= 0 (Flower's name: ``num_malicious_nodes``).
     num_selected : int
         Number of models kept, >= 1 (Flower's MultiKrum: ``num_nodes_to_select``).
+    server_learning_rate, server_momentum : float
+        The server step (``ServerMomentum``); 1 and 0, the defaults, make the selected mean the new model.
     **kwargs
         Passed to ``FedAvg``.
     """
@@ -130,6 +134,6 @@ class Krum(FedAvg):
             )
         flat = np.stack([flatten({k: a for k, a in m.items() if is_float(a)}) for m in models])  # (n, d)
         chosen = krum_select(flat, self.num_malicious, self.num_selected)
-        arrays = weighted_mean([models[i] for i in chosen], [1.0] * len(chosen))
+        arrays = self.server_step(weighted_mean([models[i] for i in chosen], [1.0] * len(chosen)))
         metrics = self.train_metrics_aggr_fn([valid[i].content for i in chosen], self.weighted_by_key)
         return to_record(cast_like(arrays, models[0])), metrics

@@ -144,6 +144,16 @@ def test_alie_paper_is_the_paper_setting():
     assert alie_z(n, len(attackers)) == pytest.approx(0.583, abs=1e-3)  # s = 26 - 12 = 14, Phi^-1(36/50)
     assert (cfg.client.local_steps, list(cfg.model.hidden)) == (1, [100])
     assert cfg.partitioner._target_.endswith(".iid")
+    # the authors' optimiser: lr 0.1 on the gradient, momentum 0.9 at the server, under every defence
+    from fedsim import build
+    from fedsim.strategies import base
+
+    assert cfg.client.lr == pytest.approx(0.1)
+    for over in ("strategy=fedavgm", "strategy=fedmedian", "strategy=fedtrimmedavg", "strategy=krum"):
+        inner = base.unwrap(
+            build.build_strategy(compose_cfg("experiment=alie_paper", over), 50)
+        )  # the attack's
+        assert (inner.server_momentum, inner.server_learning_rate) == (0.9, 1.0), over
 
 
 def test_scaffold_similarity_is_the_paper_setting():

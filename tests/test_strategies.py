@@ -219,6 +219,66 @@ def test_krum_by_hand_and_against_flower():
         np.testing.assert_allclose(out[k], ref[k], rtol=1e-6)
 
 
+def _krum_oracle(rows, f):
+    """Krum by its definition: the row whose n - f - 2 nearest others are closest (sum of squared L2)."""
+    d = ((rows[:, None, :] - rows[None, :, :]) ** 2).sum(-1)
+    scores = [np.sort(np.delete(d[i], i))[: len(rows) - f - 2].sum() for i in range(len(rows))]
+    return rows[int(np.argmin(scores))]
+
+
+@pytest.mark.parametrize("kind", ["median", "trimmed", "krum"])
+def test_robust_rules_with_server_momentum_are_the_papers_distributed_sgd(kind):
+    # Baruch et al.'s (and Yin et al.'s) server: v = beta v - eta agg(g), w = w + v, over the workers'
+    # gradients g. A client that takes one SGD step at lr eta sends w - eta g, so the rule's pseudo-gradient
+    # x - agg(models) is eta agg(g) for the median, the trimmed mean and Krum alike.
+    eta, beta, n = 0.1, 0.9, 9
+    make = {
+        "median": lambda: FedMedian(server_momentum=beta, **KW),
+        "trimmed": lambda: FedTrimmedAvg(beta=0.2, server_momentum=beta, **KW),
+        "krum": lambda: Krum(num_malicious=2, server_momentum=beta, **KW),
+    }[kind]
+    agg = {
+        "median": lambda g: np.median(g, axis=0),
+        "trimmed": lambda g: np.sort(g, axis=0)[1:-1].mean(axis=0),  # floor(0.2 * 9) = 1 cut at each end
+        "krum": lambda g: _krum_oracle(g, 2),
+    }[kind]
+    ours, rng = make(), np.random.default_rng(11)
+    w = rng.normal(size=6)
+    x, v = {"w": w.astype(np.float32)}, np.zeros(6)
+    for rnd in (1, 2, 3):
+        g = (
+            rng.normal(size=(n, 6)) + np.array([5.0] + [0.0] * 5) * (np.arange(n) == 0)[:, None]
+        )  # one outlier
+        models = [{"w": (x["w"].astype(np.float64) - eta * gi).astype(np.float32)} for gi in g]
+        sent = np.stack([m["w"].astype(np.float64) for m in models])
+        g_seen = (x["w"].astype(np.float64) - sent) / eta  # the gradients as the float32 models carry them
+        v = beta * v - eta * agg(g_seen)
+        want = x["w"].astype(np.float64) + v
+        x, _ = run_round(ours, rnd, x, make_replies(models))
+        np.testing.assert_allclose(x["w"], want, rtol=1e-5, atol=1e-6)
+    # the velocity is the strategy's state: a fresh one given it continues identically
+    again = make()
+    again.load_state_dict(ours.state_dict())
+    models = [{"w": (x["w"] + 0.1 * rng.normal(size=6)).astype(np.float32)} for _ in range(n)]
+    a, _ = run_round(ours, 4, x, make_replies(models))
+    b, _ = run_round(again, 4, x, make_replies(models))
+    np.testing.assert_array_equal(a["w"], b["w"])
+
+
+def test_robust_rules_without_server_momentum_return_the_aggregate_itself():
+    models = _models(7, seed=8)
+    for s in (FedMedian(**KW), FedTrimmedAvg(beta=0.2, **KW), Krum(num_malicious=1, **KW)):
+        assert s.server_momentum == 0.0 and s.server_learning_rate == 1.0
+        x = {k: a + 100.0 for k, a in GLOBAL.items()}  # far from every model: a step from x would show
+        out, _ = run_round(s, 1, x, make_replies(models))
+        stacked = np.stack([m["w"] for m in models])
+        if isinstance(s, FedMedian):
+            np.testing.assert_array_equal(out["w"], np.median(stacked, axis=0).astype(np.float32))
+        else:
+            assert np.abs(out["w"]).max() < 10  # within the models, not near x
+        assert s.state_dict() == {"velocity": None}
+
+
 def test_planted_outliers_move_fedavg_but_not_robust_rules():
     rng = np.random.default_rng(5)
     w = {"w": rng.normal(size=20).astype(np.float32)}
@@ -252,6 +312,8 @@ def test_planted_outliers_move_fedavg_but_not_robust_rules():
         (lambda: FedAdagrad(tau=0.0, **KW), "tau"),
         (lambda: FedAvgM(server_learning_rate=0.0, **KW), "server_learning_rate"),
         (lambda: FedAvgM(server_momentum=1.0, **KW), "server_momentum"),
+        (lambda: FedMedian(server_momentum=-0.1, **KW), "server_momentum"),
+        (lambda: Krum(server_learning_rate=0.0, **KW), "server_learning_rate"),
         (lambda: Krum(num_malicious=-1, **KW), "num_malicious"),
         (lambda: Krum(num_selected=0, **KW), "num_selected"),
         (lambda: Krum(num_malicious=1.5, **KW), "num_malicious"),
