@@ -461,9 +461,10 @@ class ClippingWrapper(Wrapper):
         return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
 
     def takes_stacked(self) -> bool:
-        """Server-side clipping takes a cohort's stacked replies when the strategy it wraps does: it clips (and
-        noises) the rows where they are and hands the inner strategy the stacked releases."""
-        return self.side == "server" and base.takes_stacked(self.strategy)
+        """Clipping takes a cohort's stacked replies when the strategy it wraps does: it clips (server side; client
+        side it checks the clients' clipping) and noises the rows where they are and hands the inner strategy the
+        stacked releases."""
+        return base.takes_stacked(self.strategy)
 
     def aggregate_stacked(
         self, server_round: int, stacked: Any
@@ -471,7 +472,8 @@ class ClippingWrapper(Wrapper):
         """``aggregate_train`` of ``stacked.replies()`` without making them: each row's update ``y_k - x`` (divided
         by its ``num-steps`` under FedNova) clipped to ``C`` in float64 where the rows are, the replies rebuilt as
         ``x + gain (scale clip(d_k) + xi)`` with the noise the per-client form draws (the same generator, the
-        same order), then the inner strategy's ``aggregate_stacked``. Equal to the per-client form up to float64
+        same order), then the inner strategy's ``aggregate_stacked``. Client side, the clipped bits are the ones
+        the clients report (``clipped``), as in the per-client form. Equal to the per-client form up to float64
         rounding of the norms. Rows the screen let through but whose update is not finite, or parameters that
         are not the model's, go the per-client way (which drops and names them)."""
         import torch
@@ -503,6 +505,20 @@ class ClippingWrapper(Wrapper):
             return self.aggregate_train(server_round, stacked.replies())
         factor = torch.where(norms <= c, torch.ones_like(norms), c / norms)
         bits = [bool(b) for b in (norms <= c).tolist()]  # True = not clipped
+        if self.side == "client":  # the clients' own bits; an update above C was not clipped by its client
+            over = (norms > c * (1 + _CLIENT_TOLERANCE)).tolist()
+            bits = []
+            for mt, norm, above in zip(stacked.metrics, norms.tolist(), over):
+                reported = mt.get(keys.CLIPPED)
+                was_clipped = bool(reported) if reported is not None else norm >= c * (1 - 1e-6)
+                bits.append(not (was_clipped or above))
+            if any(over):
+                log.warning(
+                    "round %d: %d client(s) sent updates above clip-norm=%g; clipped them on the server",
+                    server_round,
+                    sum(over),
+                    c,
+                )
 
         sigma = noise_std(self.update_noise_multiplier, c, m)
         scale, gain = 1.0, 1.0 if tau_pub is None else tau_pub

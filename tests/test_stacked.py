@@ -32,6 +32,9 @@ ROUNDED_FORM = [
     "fedadam clipping=adaptive clipping.noise_multiplier=0.5 clipping.noise_seed=7 clipping.debug_noise_seed=true",
     "fednova strategy.dp_tau_eff=4 clipping=fixed clipping.clip_norm=0.05 clipping.noise_multiplier=1.0 "
     "clipping.noise_seed=9 clipping.debug_noise_seed=true clipping.sampling=fixed",
+    "fedavg clipping=fixed clipping.side=client clipping.clip_norm=0.05",
+    "fedavgm clipping=fixed clipping.side=client clipping.clip_norm=0.05 clipping.noise_multiplier=1.0 "
+    "clipping.noise_seed=31 clipping.debug_noise_seed=true clipping.debug_metrics=true",
 ]
 PER_CLIENT_ONLY = ["fedmedian", "fedtrimmedavg", "krum", "feddyn", "scaffold"]
 
@@ -199,7 +202,7 @@ def _overrides(name: str) -> list[str]:
 
 def test_wrappers_and_subclasses_that_change_the_aggregate_get_messages():
     for over in (
-        ["clipping=fixed", "clipping.side=client"],
+        ["clipping=fixed", "clipping.side=client", "strategy=fedmedian"],
         ["clipping=fixed", "strategy=fedmedian"],
         ["compression=topk"],
         ["attack=sign_flip"],
@@ -337,8 +340,16 @@ def test_the_loop_on_stacked_replies_gives_the_run_of_per_client_messages(tmp_pa
             "clipping.noise_seed=77",
             "clipping.debug_noise_seed=true",
         ],
+        [
+            "clipping=fixed",
+            "clipping.side=client",
+            "clipping.clip_norm=0.05",
+            "clipping.noise_multiplier=0.3",
+            "clipping.noise_seed=77",
+            "clipping.debug_noise_seed=true",
+        ],
     ],
-    ids=["fednova", "dp-fedavg"],
+    ids=["fednova", "dp-fedavg", "client-side-dp"],
 )
 def test_the_loop_on_rounded_batched_forms_gives_the_run_of_per_client_messages(tmp_path, monkeypatch, over):
     """FedNova and DP-FedAvg on the stacked path and with it turned off: the same rounds, cohorts, bytes and

@@ -18,6 +18,16 @@ CASES = {
     "momentum-nesterov-wd": ["client=momentum", "client.optimizer=nesterov", "client.weight_decay=0.01"],
     "fedprox-momentum": ["strategy=fedprox", "strategy.proximal_mu=0.5", "client=momentum"],
     "fullbatch-steps": ["client=fedsgd", "client.local_steps=3"],
+    "client-side-dp": [
+        "clipping=fixed",
+        "clipping.side=client",
+        "clipping.clip_norm=0.05",
+        "clipping.noise_multiplier=0.5",
+        "clipping.noise_seed=4242",
+        "clipping.sampling=fixed",
+        "clipping.debug_noise_seed=true",
+        "clipping.debug_metrics=true",
+    ],
 }
 
 
@@ -403,3 +413,48 @@ def test_a_run_with_the_engine_caches_equals_one_without(tmp_path, monkeypatch):
     assert without_wall_time(records) == without_wall_time(read_metrics(tmp_path / "rebuilt"))
     ma, mb = torch.load(tmp_path / "kept" / "model.pt"), torch.load(tmp_path / "rebuilt" / "model.pt")
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_client_side_clipping_of_the_batched_rows_is_the_client_apps():
+    """Train messages asking for client-side clipping (``clip-norm``): the vectorized engine clips the stacked rows
+    and reports each client's norm and clipped flag as the ClientApp does (the pool grid runs the ClientApp per
+    message), with a bound between the clients' norms so that some rows clip and some do not."""
+    from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
+
+    from fedsim import keys
+    from fedsim.engines.pool import PoolGrid
+
+    spec = build.client_spec(compose_cfg("num_clients=6"), "cpu")
+    arrays = ArrayRecord(build.build_initial_model(json.loads(spec)).state_dict())
+
+    def round_of(grid, bound):
+        cfg = {keys.RUN_SPEC: spec, keys.SERVER_ROUND: 1}
+        if bound is not None:
+            cfg[keys.CLIP_NORM] = bound
+        content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: ConfigRecord(cfg)})
+        return [grid.create_message(content, MessageType.TRAIN, n, "") for n in range(1, 7)]
+
+    with PoolGrid(6) as pool:
+        unclipped = list(pool.send_and_receive(round_of(pool, 1e9)))
+        norms = sorted(r.content[keys.METRICS][keys.UPDATE_NORM] for r in unclipped)
+        bound = (norms[2] + norms[3]) / 2  # three clients above, three below
+        want = list(pool.send_and_receive(round_of(pool, bound)))
+    with vectorized.VectorizedGrid(6, threads=1) as grid:
+        replies, stacked = grid.send_and_receive_stacked(round_of(grid, bound))
+        assert replies == [] and len(stacked) == 6  # every client trained (and clipped) batched
+        got = stacked.replies()
+    flags = []
+    for g, w in zip(got, want, strict=True):
+        gm, wm = dict(g.content[keys.METRICS].items()), dict(w.content[keys.METRICS].items())
+        assert gm.keys() == wm.keys()
+        assert gm[keys.UPDATE_NORM] == pytest.approx(wm[keys.UPDATE_NORM], rel=1e-6)
+        assert gm[keys.CLIPPED] == wm[keys.CLIPPED]
+        flags.append(wm[keys.CLIPPED])
+        ga, wa = g.content[keys.ARRAYS], w.content[keys.ARRAYS]
+        for n in wa:
+            torch.testing.assert_close(ga[n].numpy(), wa[n].numpy(), rtol=1e-5, atol=1e-6)
+        if wm[keys.CLIPPED]:  # the reply's update has norm C
+            start = {n: arrays[n].numpy().astype("float64") for n in arrays}
+            d2 = sum(float(((ga[n].numpy().astype("float64") - start[n]) ** 2).sum()) for n in ga)
+            assert d2**0.5 == pytest.approx(bound, rel=1e-5)
+    assert sorted(flags) == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]

@@ -15,7 +15,8 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
 3. step: gather the padded batches ``(k, B, ...)``, per-client mean loss through a 0/1-over-b weight mask,
    one backward for the cohort (clients are independent, so the gradient of the summed loss with respect to
    the stacked parameters is each client's own gradient), then the SGD update of ``torch.optim.SGD``
-   written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``;
+   written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``; after the last step,
+   client-side clipping (``clip-norm``) of the rows that ask for it (:func:`clip_rows`);
 4. reply: each client's full weights and the ClientApp's metrics keys, kept stacked on the device
    (``fedsim.messages.StackedReplies``): ``send_and_receive_stacked`` hands them to a server loop whose
    strategy aggregates them as they are (``fedsim.strategies.base.AggregatesStacked``); every other caller
@@ -24,7 +25,7 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
 Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps``, any ``batch_size``
 (0 = full batch), ``proximal-mu``. Run through the ordinary ClientApp (sequentially in this process)
 instead, with one log line per reason: non-train messages (query, evaluate), Adam and averaged SGD,
-client-side ``clip-norm``, train-config keys it does not handle (``fedsim.messages``), injected faults, models with buffers (BatchNorm), dropout, frozen or tied
+train-config keys it does not handle (``fedsim.messages``), injected faults, models with buffers (BatchNorm), dropout, frozen or tied
 parameters, and, by default, convolutional models on the CPU that are not a plain ``nn.Sequential`` of
 conv/pool/linear layers: there vmap turns ``conv2d`` into a grouped convolution that measured 1.2-3.5x slower
 than per-client convolutions (``engine.vmap_conv_cpu=true`` forces it). Sequential conv nets on the CPU are
@@ -74,7 +75,7 @@ PLANS = 4096  # clients' plans kept (as many as fedsim.build.client_task keeps t
 # The train-config keys this engine implements. A message with any other key runs through the ClientApp (one
 # INFO line the first time): a key fedsim does not know, and one a user taught the parser
 # (``fedsim.messages.parse_train``) but not this engine, so no client-side setting is dropped silently.
-IMPLEMENTS = frozenset({keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, *DRAW_INDEX_KEYS})
+IMPLEMENTS = frozenset({keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, keys.CLIP_NORM, *DRAW_INDEX_KEYS})
 # Client halves (fedsim.algorithms.halves) a run spec may name that this engine honours: they act only on a
 # train-config key it does not implement (such a message runs through the ClientApp), or on evaluations. A run
 # whose spec names any other half trains through the ClientApp.
@@ -451,9 +452,6 @@ class VectorizedGrid(PoolGrid):
         if cfg is None or arrays is None or not isinstance(cfg.get(keys.RUN_SPEC), str):
             return None, None, False
         ins = parse_train(cfg)
-        if ins.clip_norm is not None:
-            self._skip("client-side clipping (clip-norm)")
-            return None, None, False
         extra = set(cfg.keys()) - IMPLEMENTS
         if extra:  # unknown to fedsim, or known to the parser (a user's setting) but not implemented here
             self._skip(f"train config keys it does not implement: {', '.join(sorted(extra))}")
@@ -683,6 +681,8 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
     ``members`` order, models on ``device``)."""
     names = _names(members[0].task.model)
     params, losses = train_stacked(members, local, device, mu)
+    params = {n: params[n].detach() for n in names}
+    clipping = clip_rows(members, names, params)
     metrics = [
         train_metrics(
             num_examples=int(c.task.x_train.shape[0]),
@@ -690,10 +690,53 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
             partition_id=c.task.partition_id,
             steps=len(c.batches),
             examples_processed=_info(c.batches).total,
+            extra=clipping[i],
         )
         for i, c in enumerate(members)
     ]
-    return StackedReplies([c.msg for c in members], {n: params[n].detach() for n in names}, metrics)
+    return StackedReplies([c.msg for c in members], params, metrics)
+
+
+def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.Tensor]) -> list[dict]:
+    """Client-side clipping (``clip-norm``) of the stacked rows in place, as the ClientApp's
+    ``fedsim.algorithms.halves.ClientClipping`` clips one reply: a row whose update ``y - start`` has an L2 norm
+    (over every parameter, in float64) above its client's bound ``C`` becomes ``start + (y - start) * (C /
+    norm)`` in the parameters' dtype; the others stay as trained. Returns each row's extra metrics: the norm
+    before clipping and whether it clipped, for the rows that were asked to clip (``{}`` for the others).
+
+    The norms are one reduction per parameter over the stack, so they agree with the ClientApp's per-tensor
+    sums to float64 rounding."""
+    bounds = [c.ins.clip_norm if c.ins is not None else None for c in members]
+    if all(b is None for b in bounds):
+        return [{} for _ in members]
+    k = len(members)
+    device = next(iter(params.values())).device
+    first = members[0].start
+    shared = all(c.start is first for c in members)
+
+    def start(n: str) -> torch.Tensor:
+        if shared:
+            return first[n].to(device).unsqueeze(0)
+        return torch.stack([c.start[n] for c in members]).to(device)
+
+    deltas = {n: params[n] - start(n) for n in names}
+    squares = torch.zeros(k, dtype=torch.float64, device=device)
+    for d in deltas.values():
+        squares += d.double().square().reshape(k, -1).sum(1)
+    norms = squares.sqrt().tolist()
+    clipped = [b is not None and norm > b and norm != 0.0 for b, norm in zip(bounds, norms)]
+    if any(clipped):
+        rows = torch.tensor([i for i, c in enumerate(clipped) if c], device=device)
+        scale = [bounds[i] / norms[i] for i in rows.tolist()]
+        for n, d in deltas.items():
+            factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
+            base = start(n)
+            base = base.expand_as(d).index_select(0, rows) if shared else base.index_select(0, rows)
+            params[n].index_copy_(0, rows, base + d.index_select(0, rows) * factor)
+    return [
+        {} if b is None else {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
+        for b, norm, c in zip(bounds, norms, clipped)
+    ]
 
 
 def _by_id(stacked: StackedReplies) -> dict[str, Message]:
