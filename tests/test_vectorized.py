@@ -18,6 +18,7 @@ CASES = {
     "momentum-nesterov-wd": ["client=momentum", "client.optimizer=nesterov", "client.weight_decay=0.01"],
     "fedprox-momentum": ["strategy=fedprox", "strategy.proximal_mu=0.5", "client=momentum"],
     "fullbatch-steps": ["client=fedsgd", "client.local_steps=3"],
+    "fewer-steps-than-data": ["client.local_steps=2", "client=momentum"],  # x holds only the rows taken
     "client-side-dp": [
         "clipping=fixed",
         "clipping.side=client",

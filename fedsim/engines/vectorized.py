@@ -194,6 +194,13 @@ def _parts(batches) -> Sequence[torch.Tensor]:
 _EMPTY = torch.zeros(0, dtype=torch.long)
 
 
+def _order(batches) -> torch.Tensor:
+    """Every step's example indices, one after the other, as one tensor."""
+    if isinstance(batches, Schedule):
+        return batches.order
+    return torch.cat(list(batches)) if len(batches) else _EMPTY
+
+
 @functools.lru_cache(maxsize=4096)
 def _layout(n: int, cfg: LocalTraining, max_steps: int | None) -> tuple[_Steps, int]:
     """The steps of a client with ``n`` examples and the passes over its data they take."""
@@ -643,18 +650,26 @@ def cohort_batches(
     ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``.
 
     Each client's step, slot and weight of every example come from its step lengths (:class:`_Steps`, computed
-    once per lengths); a round adds its batch order, and the index is written with one numpy scatter."""
+    once per lengths); a round adds its batch order, and the index is written with one numpy scatter. When the
+    steps take fewer examples than the clients hold (a few steps on large partitions, as in distributed SGD),
+    ``x`` holds just the rows they take, in step order, instead of every client's whole partition."""
     k = len(members)
     infos = [_info(c.batches) for c in members]
-    x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
-    y = torch.cat([c.task.y_train for c in members])
     counts = np.fromiter((i.total for i in infos), np.int64, k)
     sizes = np.fromiter((c.task.x_train.shape[0] for c in members), np.int64, k)
     where = (np.concatenate([i.step for i in infos]) * k + np.repeat(np.arange(k), counts)) * width
     where += np.concatenate([i.slot for i in infos])
-    order = torch.cat([t for c in members for t in _parts(c.batches)]).cpu().numpy()
     gather = np.zeros(steps * k * width, dtype=np.int64)
-    gather[where] = order + np.repeat(np.cumsum(sizes) - sizes, counts)  # into the cohort's data
+    if counts.sum() < sizes.sum():  # the rows the steps take: example e of the cohort's steps is row e
+        rows = [(c.task, _order(c.batches)) for c in members]
+        x = torch.cat([t.x_train.index_select(0, r.to(t.x_train.device)) for t, r in rows])
+        y = torch.cat([t.y_train.index_select(0, r.to(t.y_train.device)) for t, r in rows])
+        gather[where] = np.arange(int(counts.sum()), dtype=np.int64)
+    else:
+        x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
+        y = torch.cat([c.task.y_train for c in members])
+        order = torch.cat([t for c in members for t in _parts(c.batches)]).cpu().numpy()
+        gather[where] = order + np.repeat(np.cumsum(sizes) - sizes, counts)  # into the cohort's data
     weight = np.zeros(steps * k * width, dtype=np.float64)
     weight[where] = np.concatenate([i.weight for i in infos])
     shape = (steps, k, width)
