@@ -37,6 +37,7 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -48,6 +49,7 @@ from fedsim.errors import ConfigError
 from fedsim.schema import MALICIOUS
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
+from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, unflatten
 from fedsim.strategies.records import reply_arrays, to_numpy, to_record
 from fedsim.strategies.wrapper import Wrapper
@@ -173,6 +175,42 @@ class Attack(Wrapper):
             new = unflatten(x + crafted[row], floats)
             out[i] = with_model(replies[i], cast_like({**arrays[i], **new}, arrays[i]))
         return self.strategy.aggregate_train(server_round, out)
+
+    def takes_stacked(self) -> bool:
+        """The attack crafts stacked rows as it crafts Messages: it takes a cohort's stacked replies when the
+        strategy it wraps does."""
+        return base.takes_stacked(self.strategy)
+
+    def aggregate_stacked(
+        self, server_round: int, stacked: Any
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of ``stacked.replies()`` without making them: the attackers' rows replaced by
+        :meth:`craft`'s updates (from the same float64 updates, cast to the rows' dtype the same way), then the
+        inner strategy's ``aggregate_stacked``."""
+        if self.current is None:
+            raise RuntimeError(f"{type(self).__name__}.aggregate_stacked called before configure_train")
+        pids = stacked.partition_ids
+        bad = [i for i, p in enumerate(pids) if p in self.malicious]
+        if not bad:
+            return self.strategy.aggregate_stacked(server_round, stacked)
+        if set(stacked.arrays) != set(self.current):  # the per-client form names what does not fit
+            return self.aggregate_train(server_round, stacked.replies())
+        floats = {k: a for k, a in self.current.items() if is_float(a)}
+        x = flatten(floats)  # (d,)
+        n = len(stacked)
+        host = {k: stacked.arrays[k].detach().cpu().double().numpy().reshape(n, -1) for k in floats}
+        deltas = np.concatenate([host[k] for k in floats], axis=1) - x  # (n, d), in the floats' order
+        good = [i for i in range(n) if i not in bad]
+        crafted = x + self.craft(server_round, deltas[good], deltas[bad], [pids[i] for i in bad])  # (k, d)
+        arrays = dict(stacked.arrays)
+        offsets = np.cumsum([0] + [int(np.asarray(a).size) for a in floats.values()])
+        for (k, t), lo, hi in zip(((k, stacked.arrays[k]) for k in floats), offsets[:-1], offsets[1:]):
+            rows = torch.from_numpy(np.ascontiguousarray(crafted[:, lo:hi])).view(len(bad), *t.shape[1:])
+            index = torch.tensor(bad, device=t.device)
+            arrays[k] = t.index_copy(0, index, rows.to(device=t.device, dtype=t.dtype))
+        return self.strategy.aggregate_stacked(
+            server_round, type(stacked)(stacked.messages, arrays, stacked.metrics)
+        )
 
     def summary(self) -> None:
         """Log the attack, then the inner strategy's summary."""

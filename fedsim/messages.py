@@ -248,6 +248,14 @@ class StackedReplies:
         aggregation functions read)."""
         return [RecordDict({keys.METRICS: MetricRecord(m)}) for m in self.metrics]
 
+    def host_arrays(self) -> dict[str, np.ndarray]:
+        """The stacked models as numpy arrays ``(rows, *shape)`` in the host's memory, floating-point ones in float64
+        (the values ``np.asarray(a, np.float64)`` gives of each row's array)."""
+        return {
+            n: (t.detach().cpu().double() if t.is_floating_point() else t.detach().cpu()).numpy()
+            for n, t in self.arrays.items()
+        }
+
     def dtypes(self) -> dict[str, np.ndarray]:
         """An empty numpy array of each parameter's dtype (what ``cast_like`` needs to know of a reply)."""
         from fedsim.comm import torch_numpy_dtype

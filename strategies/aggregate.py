@@ -84,8 +84,13 @@ def normalised_weights(weights: Sequence[float]) -> np.ndarray:
 
 
 def coordinate_median(models: Sequence[Arrays]) -> dict[str, np.ndarray]:
-    """Coordinate-wise median (Yin et al. 2018); with an even count, the mean of the two middle values."""
+    """Coordinate-wise median of the models (float64); ``np.median``'s convention for an even count."""
     return {k: np.median(np.stack([np.asarray(m[k], np.float64) for m in models]), axis=0) for k in models[0]}
+
+
+def coordinate_median_stacked(stacks: Arrays) -> dict[str, np.ndarray]:
+    """:func:`coordinate_median` of models given stacked, ``(n, *shape)`` per parameter: the same numbers."""
+    return {k: np.median(np.asarray(a, np.float64), axis=0) for k, a in stacks.items()}
 
 
 def trimmed_mean(models: Sequence[Arrays], beta: float) -> dict[str, np.ndarray]:
@@ -93,22 +98,34 @@ def trimmed_mean(models: Sequence[Arrays], beta: float) -> dict[str, np.ndarray]
 
     Same convention as ``scipy.stats.trim_mean``; ``beta`` must lie in [0, 0.5).
     """
+    return trimmed_mean_stacked(
+        {k: np.stack([np.asarray(m[k], np.float64) for m in models]) for k in models[0]}, beta
+    )
+
+
+def trimmed_mean_stacked(stacks: Arrays, beta: float) -> dict[str, np.ndarray]:
+    """:func:`trimmed_mean` of models given stacked, ``(n, *shape)`` per parameter."""
     if not 0.0 <= beta < 0.5:
         raise ValueError(f"beta must be in [0, 0.5), got {beta}")
-    n = len(models)
-    cut = int(beta * n)
     out = {}
-    for k in models[0]:
-        stack = np.sort(np.stack([np.asarray(m[k], np.float64) for m in models]), axis=0)  # (n, *shape)
-        out[k] = stack[cut : n - cut].mean(axis=0)
+    for k, a in stacks.items():
+        n = len(a)
+        cut = int(beta * n)
+        out[k] = np.sort(np.asarray(a, np.float64), axis=0)[cut : n - cut].mean(axis=0)
     return out
 
 
-# ---------------------------------------------------------------- Krum (Blanchard et al. 2017)
 def pairwise_sq_distances(flat: np.ndarray) -> np.ndarray:
-    """Squared L2 distances between rows of ``flat`` (n, d) -> (n, n), by direct differences (no cancellation)."""
+    """Squared L2 distances between rows of ``flat`` (n, d) -> (n, n), by direct differences (no cancellation).
+
+    Each pair once: ``(a - b)^2 == (b - a)^2`` exactly, so the lower triangle is the upper one mirrored."""
     flat = np.asarray(flat, np.float64)
-    return np.stack([np.sum(np.square(flat - row), axis=1) for row in flat])
+    n = len(flat)
+    d = np.zeros((n, n))
+    for i in range(n - 1):
+        d[i, i + 1 :] = np.sum(np.square(flat[i + 1 :] - flat[i]), axis=1)
+        d[i + 1 :, i] = d[i, i + 1 :]
+    return d
 
 
 def krum_scores(flat: np.ndarray, num_malicious: int) -> np.ndarray:

@@ -35,7 +35,8 @@ class FedAvg(FlowerFedAvg):
     models stayed stacked on the device (``fedsim.messages.StackedReplies``): the weighted mean is taken there
     and the result equals ``aggregate_train``'s of the per-client Messages (the same bits on the CPU). The loop
     uses it when ``takes_stacked()``: for this class and the subclasses that keep its ``combine``,
-    ``aggregate_train`` and reply checks and declare only mean releases (``composition.releases``).
+    ``aggregate_train`` and reply checks, or give their batched form of them (the robust rules), and declare only
+    mean or robust releases (``composition.releases``).
 
     Parameters
     ----------
@@ -85,13 +86,14 @@ class FedAvg(FlowerFedAvg):
     def takes_stacked(self) -> bool:
         """True when ``aggregate_stacked`` equals this strategy's ``aggregate_train``: the class that gave
         ``combine_stacked`` also gave (or inherited) every method it stands in for (``aggregate_train``,
-        ``combine``, the reply checks), and the strategy releases only means or step-normalised means."""
+        ``combine``, the reply checks), and the strategy releases only means, step-normalised means or robust
+        aggregates (median, trimmed mean, Krum), nothing that carries other state per client."""
         from fedsim.strategies import composition
 
         cls = type(self)
         batched = _defined_in(cls, "combine_stacked")
         own = all(issubclass(batched, _defined_in(cls, n)) for n in _STACKED_METHODS)
-        kinds = (composition.MEAN, composition.NORMALISED)
+        kinds = (composition.MEAN, composition.NORMALISED, composition.ROBUST)
         return own and all(r.kind in kinds for r in composition.releases(cls))
 
     def aggregate_stacked(

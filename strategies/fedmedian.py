@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedsim.strategies.aggregate import coordinate_median
+from fedsim.strategies.aggregate import coordinate_median, coordinate_median_stacked
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 
@@ -34,3 +34,7 @@ class FedMedian(ServerMomentum):
     ) -> dict[str, np.ndarray]:
         """The server step towards the coordinate-wise median of ``models``."""
         return self.server_step(coordinate_median(models))
+
+    def combine_stacked(self, stacked, weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """``combine`` of a cohort's stacked replies: the same median of the same float64 values."""
+        return self.server_step(coordinate_median_stacked(stacked.host_arrays()))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from logging import INFO
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+from flwr.supercore import log as flwr_log
 
 from fedsim.checks import integer
 from fedsim.errors import ConfigError
@@ -15,7 +18,7 @@ from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_selec
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 from fedsim.strategies.flower_names import alias
-from fedsim.strategies.records import to_record
+from fedsim.strategies.records import average_metrics, to_record
 
 log = logging.getLogger("fedsim")
 
@@ -137,3 +140,32 @@ class Krum(ServerMomentum):
         arrays = self.server_step(weighted_mean([models[i] for i in chosen], [1.0] * len(chosen)))
         metrics = self.train_metrics_aggr_fn([valid[i].content for i in chosen], self.weighted_by_key)
         return to_record(cast_like(arrays, models[0])), metrics
+
+    def _chosen_stacked(self, stacked) -> list[int]:
+        """Krum's choice among stacked rows: the same float64 rows ``aggregate_train`` scores, the same scores."""
+        host = stacked.host_arrays()
+        n = len(stacked)
+        flat = np.concatenate([a.reshape(n, -1) for a in host.values() if is_float(a)], axis=1)  # (n, d)
+        return krum_select(flat, self.num_malicious, self.num_selected)
+
+    def combine_stacked(self, stacked, weights) -> dict[str, np.ndarray]:
+        """The server step to the uniform mean of the rows Krum keeps (float64)."""
+        chosen = self._chosen_stacked(stacked)
+        return self.server_step(stacked.take(chosen).weighted_mean([1.0] * len(chosen)))
+
+    def aggregate_stacked(self, server_round: int, stacked) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``aggregate_train`` of ``stacked.replies()`` without making them: Krum's choice among the rows, the
+        server step to their uniform mean, the chosen rows' metrics. A cohort too small for Krum, or rows without
+        the weight key, go the per-client way (which raises, skips or names them)."""
+        key = self.weighted_by_key
+        if len(stacked) < self.min_cohort() or any(key not in m for m in stacked.metrics):
+            return self.aggregate_train(server_round, stacked.replies())
+        flwr_log(INFO, "%s: Received %s results and %s failures", "aggregate_train", len(stacked), 0)
+        chosen = self._chosen_stacked(stacked)
+        kept = stacked.take(chosen)
+        arrays = self.server_step(kept.weighted_mean([1.0] * len(chosen)))
+        if self.train_metrics_aggr_fn is aggregate_metricrecords:  # Flower's default, over plain dicts
+            metrics = average_metrics(kept.metrics, key)
+        else:
+            metrics = self.train_metrics_aggr_fn(kept.metric_contents(), key)
+        return to_record(cast_like(arrays, stacked.dtypes())), metrics

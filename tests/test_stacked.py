@@ -22,7 +22,23 @@ from fedsim.strategies.aggregate import weighted_mean
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.records import average_metrics, to_record
 
-BATCHED_FORM = ["fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad"]
+BATCHED_FORM = [
+    "fedavg",
+    "fedprox",
+    "fedavgm",
+    "fedadam",
+    "fedyogi",
+    "fedadagrad",
+    "fedmedian",
+    "fedtrimmedavg strategy.beta=0.25",
+    "krum",
+    "krum strategy.num_selected=2 strategy.server_momentum=0.9",
+    "fedmedian strategy.server_momentum=0.9 attack=alie attack.fraction=0.5 attack.z=1.0",
+    "fedavg attack=sign_flip attack.fraction=0.5",
+    "fedtrimmedavg strategy.beta=0.25 attack=ipm attack.fraction=0.5",
+    "krum attack=gaussian attack.fraction=0.5",
+]
+ATTACKED = [name for name in BATCHED_FORM if "attack=" in name]
 # batched forms equal to their per-client form up to float64 rounding (not bit for bit)
 ROUNDED_FORM = [
     "fednova",
@@ -36,7 +52,7 @@ ROUNDED_FORM = [
     "fedavgm clipping=fixed clipping.side=client clipping.clip_norm=0.05 clipping.noise_multiplier=1.0 "
     "clipping.noise_seed=31 clipping.debug_noise_seed=true clipping.debug_metrics=true",
 ]
-PER_CLIENT_ONLY = ["fedmedian", "fedtrimmedavg", "krum", "feddyn", "scaffold"]
+PER_CLIENT_ONLY = ["feddyn", "scaffold", "fedavg compression=topk"]
 
 
 def _stacked(k: int, seed: int = 0, **bad) -> StackedReplies:
@@ -202,18 +218,22 @@ def _overrides(name: str) -> list[str]:
 
 def test_wrappers_and_subclasses_that_change_the_aggregate_get_messages():
     for over in (
-        ["clipping=fixed", "clipping.side=client", "strategy=fedmedian"],
-        ["clipping=fixed", "strategy=fedmedian"],
         ["compression=topk"],
-        ["attack=sign_flip"],
-        ["selection=power_of_choice", "attack=sign_flip"],
-        ["selection=power_of_choice", "strategy=fedmedian"],
+        ["compression=topk", "attack=sign_flip"],
+        ["selection=power_of_choice", "strategy=feddyn"],
+        ["attack=alie", "strategy=scaffold"],
     ):
         assert not base.takes_stacked(build.build_strategy(compose_cfg("num_clients=6", *over), 4)), over
-    # selection leaves the replies alone: it takes them stacked when the strategy it wraps does
-    assert base.takes_stacked(
-        build.build_strategy(compose_cfg("num_clients=6", "selection=power_of_choice"), 4)
-    )
+    # selection leaves the replies alone, clipping and the attacks have their batched forms: they take them
+    # stacked when the strategy they wrap does
+    for over in (
+        ["selection=power_of_choice"],
+        ["selection=power_of_choice", "attack=sign_flip"],
+        ["selection=power_of_choice", "strategy=fedmedian"],
+        ["clipping=fixed", "clipping.side=client", "strategy=fedmedian"],
+        ["attack=alie", "strategy=krum"],
+    ):
+        assert base.takes_stacked(build.build_strategy(compose_cfg("num_clients=6", *over), 4)), over
 
     class Median(FedAvg):
         def combine(self, models, weights):
@@ -256,6 +276,7 @@ def test_each_batched_form_equals_its_per_client_form(name):
     spec = build.client_spec(cfg, "cpu")
     arrays = ArrayRecord(build.build_initial_model(json.loads(spec)).state_dict())
     stacked_side, message_side = build.build_strategy(cfg, 4), build.build_strategy(cfg, 4)
+    attacked = 0
     with VectorizedGrid(6, threads=1) as grid:
         nodes = sorted(grid.get_node_ids())[1:5]
         for rnd in range(1, 4):
@@ -263,6 +284,8 @@ def test_each_batched_form_equals_its_per_client_form(name):
             _round_messages(message_side, grid, nodes, spec, arrays, rnd)
             replies, stacked = grid.send_and_receive_stacked(msgs)
             assert replies == [] and len(stacked) == 4
+            if name in ATTACKED:
+                attacked += stacked_side.malicious_among(stacked.partition_ids)  # the outermost wrapper
             want, want_metrics = message_side.aggregate_train(rnd, stacked.replies())
             stacked.replies = _no_messages  # the batched form makes no per-client Message
             got, got_metrics = stacked_side.aggregate_stacked(rnd, stacked)
@@ -279,6 +302,7 @@ def test_each_batched_form_equals_its_per_client_form(name):
             for k in wm:
                 assert gm[k] == pytest.approx(wm[k], rel=1e-12), (rnd, k)
             arrays = want
+    assert attacked or name not in ATTACKED  # the attackers were in the cohorts
 
 
 def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gives():
@@ -305,7 +329,15 @@ def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gi
 
 
 @pytest.mark.parametrize(
-    "name", ["fedavg", "fedprox", "fedavgm", "fedadam", "fedavg selection=power_of_choice"]
+    "name",
+    [
+        "fedavg",
+        "fedprox",
+        "fedavgm",
+        "fedadam",
+        "fedavg selection=power_of_choice",
+        "fedmedian strategy.server_momentum=0.5 attack=alie attack.fraction=0.5 attack.z=1.0",
+    ],
 )
 def test_the_loop_on_stacked_replies_gives_the_run_of_per_client_messages(tmp_path, monkeypatch, name):
     """engine=auto with the stacked path and with it turned off: the same metrics.jsonl (wall clock aside),
