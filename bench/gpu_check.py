@@ -5,7 +5,9 @@ Each check runs in a fresh process. In order (the time budget drops the last one
 1. **agree**: the engines agree on the GPU: the digits MLP, then a CIFAR-size CNN (3x32x32) with
    ``placement.deterministic`` true and false, ``inprocess`` against ``vectorized``; the largest relative
    difference of the final models against the tolerance the precision allows (``fedsim.build.agreement_tolerance``),
-   and whether every vectorized client really trained batched.
+   and whether every vectorized client really trained batched; the MLP again under the coordinate median with
+   server momentum and ALIE, and under DP with client-side clipping (both aggregate the cohort's stacked replies
+   on the device).
 2. **placement**: ``auto`` and every ``cuda:N`` resolve where the client runs; pool workers (``engine.workers=N``)
    spread over the visible GPUs; an injected out-of-memory error shrinks the vectorized batch and the run
    completes with the same model.
@@ -40,6 +42,24 @@ import bench
 BUDGET_S = 285  # stop starting new checks after this, so the whole check ends within 5 minutes
 CIFAR = ["dataset=synthetic_images", "dataset.shape=[3,32,32]", "model=cnn", "partitioner=iid"]
 MLP = ["num_clients=20", "clients_per_round=10", "num_rounds=3"]
+# the MLP's agreement under the wrappers and rules that take stacked replies on the device
+MLP_PATHS = {
+    "agree-mlp-alie-median": [
+        "strategy=fedmedian",
+        "strategy.server_momentum=0.9",
+        "attack=alie",
+        "attack.fraction=0.3",
+    ],
+    "agree-mlp-client-dp": [
+        "clipping=fixed",
+        "clipping.side=client",
+        "clipping.clip_norm=0.5",
+        "clipping.noise_multiplier=0.5",
+        "clipping.sampling=fixed",
+        "clipping.noise_seed=20261205",
+        "clipping.debug_noise_seed=true",
+    ],
+}
 CNN_AGREE = [*CIFAR, "num_clients=20", "clients_per_round=10", "num_rounds=2", "client.local_steps=3"]
 CNN_TIME = [*CIFAR, "num_clients=1000", "clients_per_round=100", "num_rounds=6", "dataset.num_train=50000"]
 WORKLOADS = {  # the timing workloads of the speed targets (issue: small, 1,000 clients a round, realistic)
@@ -150,12 +170,12 @@ def child_agree(name: str, device: str, deterministic: bool, small: bool, graph:
     if graph:
         _fail_fast(vectorized)
 
-    over = MLP if name == "agree-mlp" else CNN_AGREE
+    over = [*MLP, *MLP_PATHS[name]] if name in MLP_PATHS else MLP if name == "agree-mlp" else CNN_AGREE
     if graph and name == "agree-mlp":  # every client the same steps, so that the graph path runs
         over = [*over, "client.local_steps=5", "partitioner=iid"]
     over = [
         *over,
-        *(SMALL[name] if small else []),
+        *(SMALL["agree-mlp" if name in MLP_PATHS else name] if small else []),
         f"placement.device={device}",
         f"placement.server_device={device}",
         f"placement.deterministic={str(deterministic).lower()}",
@@ -347,6 +367,8 @@ CHECKS = [  # (name, child args, section)
     ("agree-cnn-fast", ["agree", "agree-cnn", "0"], "correctness"),
     ("agree-cnn-graph", ["agree", "agree-cnn", "1", "graph"], "correctness"),
     ("agree-mlp-graph", ["agree", "agree-mlp", "1", "graph"], "correctness"),
+    ("agree-mlp-alie-median", ["agree", "agree-mlp-alie-median", "1"], "correctness"),
+    ("agree-mlp-client-dp", ["agree", "agree-mlp-client-dp", "1"], "correctness"),
     ("placement", ["placement"], "placement"),
     ("time-inprocess", ["time", "inprocess"], "timing"),
     ("time-vectorized", ["time", "vectorized"], "timing"),
@@ -435,6 +457,8 @@ def main() -> None:
         "agree-cnn-fast",
         "agree-cnn-graph",
         "agree-mlp-graph",
+        "agree-mlp-alie-median",
+        "agree-mlp-client-dp",
     ):
         r = results.get(name)
         if r is None:

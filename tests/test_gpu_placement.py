@@ -326,6 +326,8 @@ def test_gpu_check_dry_run_exercises_every_path():
         "agree-mlp",
         "agree-cnn-deterministic",
         "agree-cnn-fast",
+        "agree-mlp-alie-median",
+        "agree-mlp-client-dp",
         "pool workers",
         "injected OOM",
         "time-inprocess",
