@@ -12,6 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedsim import progress, schema
+from fedsim.procs import descendants
 
 COLUMNS = (
     "job",
@@ -353,26 +354,6 @@ class SweepStop:
         for entry in jobs.iterdir() if jobs.is_dir() else []:
             with contextlib.suppress(OSError, ValueError):
                 os.kill(int(entry.name), signum)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes started by ``pid``, at any depth (Linux: read from /proc; elsewhere none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state, past "(comm)"
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def stopped(sweep_dir: str | Path) -> str | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 from fedsim.config import FLOWER_ENV
 from fedsim.deploy import front as front_mod
 from fedsim.deploy.certs import CA_CERT, SERVER_CERT, SERVER_KEY, node_key_name, write_private
+from fedsim.procs import descendants
 
 FLWR_ENV = FLOWER_ENV  # every Flower process the helper starts gets these (see fedsim.config)
 CONNECTION = "fedsim"  # name of the SuperLink connection written to $FLWR_HOME/config.toml
@@ -343,34 +344,6 @@ def wait_for_superlink(
 
 
 # ---- processes ------------------------------------------------------------------------------------------
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc; elsewhere ``pgrep -P``)."""
-    if Path("/proc").is_dir():
-        kids = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                try:
-                    stat = (d / "stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(d.name))
-        return kids
-    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def descendants(pid: int) -> list[int]:
-    """All descendants of ``pid``, children first."""
-    found, todo = [], [pid]
-    while todo:
-        for c in _children(todo.pop()):
-            if c not in found:
-                found.append(c)
-                todo.append(c)
-    return found
 
 
 def running(pid: int) -> bool:

@@ -1,0 +1,54 @@
+"""The processes a process started, at any depth: what a sweep's second Ctrl-C kills and what a deployment's
+``stop`` terminates. Linux reads ``/proc``; elsewhere (macOS, the BSDs) ``ps -A -o pid=,ppid=``.
+(``fedsim.engines.reaper`` keeps its own ``/proc`` reader: it runs as a stdlib-only script.)"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def children_by_parent() -> dict[int, list[int]]:
+    """Every live process's children, by parent pid."""
+    pairs: list[tuple[int, int]] = []
+    if PROC.is_dir():
+        for entry in PROC.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # ended while being read
+                continue
+            pairs.append(
+                (int(entry.name), int(stat.rsplit(")", 1)[1].split()[1]))
+            )  # past "(comm)": state, ppid
+    else:
+        try:
+            out = subprocess.run(
+                ["ps", "-A", "-o", "pid=,ppid="], capture_output=True, text=True, timeout=10, check=False
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return {}
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+                pairs.append((int(fields[0]), int(fields[1])))
+    children: dict[int, list[int]] = {}
+    for pid, ppid in pairs:
+        children.setdefault(ppid, []).append(pid)
+    return children
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid``, at any depth, each after its parent."""
+    children = children_by_parent()
+    found, todo, seen = [], [pid], {pid}
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                todo.append(child)
+    return found
