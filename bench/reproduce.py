@@ -105,6 +105,9 @@ SELECTION = "checkpoint_every=0 num_clients=50 clients_per_round=5 partitioner.a
 COMPRESSION = "num_rounds=30 checkpoint_every=0 "
 ALIE_PAPER = "experiment=alie_paper attack=none,alie seed=0,1,2"
 ALIE_PLAIN = "client.lr=0.5 strategy.server_momentum=0"  # plain distributed SGD: no server momentum
+# the paper's non-omniscient attackers: mean and std from their own 12 updates (the clean runs again, so that the
+# reproduction stands alone)
+ALIE_OWN = "experiment=alie_paper attack=none,alie ++attack.knowledge=own seed=0,1,2"
 SIMILARITY = "experiment=scaffold_similarity partitioner.similarity=0,0.1,1 seed=0,1,2"
 
 
@@ -248,6 +251,15 @@ def _reproductions() -> dict[str, Reproduction]:
                 ("alie_momentum_krum", f"{ALIE_PAPER} strategy=krum strategy.num_malicious=12"),
             ],
             {"alie_paper": lambda out: alie_paper_table(out, "alie_paper")},
+            "Fashion-MNIST",
+        ),
+        "alie_paper_own": Reproduction(
+            [
+                ("alie_own_mean_median", f"{ALIE_OWN} strategy=fedavgm,fedmedian"),
+                ("alie_own_trimmed", f"{ALIE_OWN} strategy=fedtrimmedavg strategy.beta=0.24"),
+                ("alie_own_krum", f"{ALIE_OWN} strategy=krum strategy.num_malicious=12"),
+            ],
+            {"alie_paper_own": lambda out: alie_paper_table(out, "alie_paper_own")},
             "Fashion-MNIST",
         ),
         "alie_paper_plain": Reproduction(
