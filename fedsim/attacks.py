@@ -198,16 +198,17 @@ class Attack(Wrapper):
         floats = {k: a for k, a in self.current.items() if is_float(a)}
         x = flatten(floats)  # (d,)
         n = len(stacked)
-        host = {k: stacked.arrays[k].detach().cpu().double().numpy().reshape(n, -1) for k in floats}
-        deltas = np.concatenate([host[k] for k in floats], axis=1) - x  # (n, d), in the floats' order
+        host = stacked.host_arrays()
+        deltas = np.concatenate([host[k].reshape(n, -1) for k in floats], axis=1) - x  # (n, d), floats' order
         good = [i for i in range(n) if i not in bad]
         crafted = x + self.craft(server_round, deltas[good], deltas[bad], [pids[i] for i in bad])  # (k, d)
         arrays = dict(stacked.arrays)
+        index = torch.tensor(bad)
         offsets = np.cumsum([0] + [int(np.asarray(a).size) for a in floats.values()])
-        for (k, t), lo, hi in zip(((k, stacked.arrays[k]) for k in floats), offsets[:-1], offsets[1:]):
+        for k, lo, hi in zip(floats, offsets[:-1], offsets[1:]):
+            t = stacked.arrays[k]
             rows = torch.from_numpy(np.ascontiguousarray(crafted[:, lo:hi])).view(len(bad), *t.shape[1:])
-            index = torch.tensor(bad, device=t.device)
-            arrays[k] = t.index_copy(0, index, rows.to(device=t.device, dtype=t.dtype))
+            arrays[k] = t.index_copy(0, index.to(t.device), rows.to(device=t.device, dtype=t.dtype))
         return self.strategy.aggregate_stacked(
             server_round, type(stacked)(stacked.messages, arrays, stacked.metrics)
         )

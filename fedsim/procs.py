@@ -21,9 +21,8 @@ def children_by_parent() -> dict[int, list[int]]:
                 stat = (entry / "stat").read_text()
             except OSError:  # ended while being read
                 continue
-            pairs.append(
-                (int(entry.name), int(stat.rsplit(")", 1)[1].split()[1]))
-            )  # past "(comm)": state, ppid
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])  # past "(comm)": the state, then the ppid
+            pairs.append((int(entry.name), ppid))
     else:
         try:
             out = subprocess.run(

@@ -84,8 +84,10 @@ def normalised_weights(weights: Sequence[float]) -> np.ndarray:
 
 
 def coordinate_median(models: Sequence[Arrays]) -> dict[str, np.ndarray]:
-    """Coordinate-wise median of the models (float64); ``np.median``'s convention for an even count."""
-    return {k: np.median(np.stack([np.asarray(m[k], np.float64) for m in models]), axis=0) for k in models[0]}
+    """Coordinate-wise median (Yin et al. 2018); with an even count, the mean of the two middle values."""
+    return coordinate_median_stacked(
+        {k: np.stack([np.asarray(m[k], np.float64) for m in models]) for k in models[0]}
+    )
 
 
 def coordinate_median_stacked(stacks: Arrays) -> dict[str, np.ndarray]:
@@ -115,6 +117,7 @@ def trimmed_mean_stacked(stacks: Arrays, beta: float) -> dict[str, np.ndarray]:
     return out
 
 
+# ---------------------------------------------------------------- Krum (Blanchard et al. 2017)
 def pairwise_sq_distances(flat: np.ndarray) -> np.ndarray:
     """Squared L2 distances between rows of ``flat`` (n, d) -> (n, n), by direct differences (no cancellation).
 

@@ -393,10 +393,8 @@ class ClippingWrapper(Wrapper):
                 log.warning("round %d: dropped a reply whose update holds NaN or Inf", server_round)
                 continue
             if self.side == "client":
-                reported = reply_metrics(msg).get(keys.CLIPPED)
-                unclipping_clients += norm > c * (1 + _CLIENT_TOLERANCE)
-                was_clipped = bool(reported) if reported is not None else norm >= c * (1 - 1e-6)
-                was_clipped = was_clipped or norm > c * (1 + _CLIENT_TOLERANCE)
+                was_clipped, above = self._client_clipped(norm, reply_metrics(msg).get(keys.CLIPPED))
+                unclipping_clients += above
             kept.append((msg, arrays, clipped))
             bits.append(not was_clipped)
         if errors:
@@ -410,12 +408,7 @@ class ClippingWrapper(Wrapper):
                 first_line(str(errors[0].error.reason)),
             )
         if unclipping_clients:
-            log.warning(
-                "round %d: %d client(s) sent updates above clip-norm=%g; clipped them on the server",
-                server_round,
-                unclipping_clients,
-                c,
-            )
+            self._warn_above(server_round, unclipping_clients)
         if not kept and not self.dp:
             return None, None
 
@@ -505,20 +498,15 @@ class ClippingWrapper(Wrapper):
             return self.aggregate_train(server_round, stacked.replies())
         factor = torch.where(norms <= c, torch.ones_like(norms), c / norms)
         bits = [bool(b) for b in (norms <= c).tolist()]  # True = not clipped
-        if self.side == "client":  # the clients' own bits; an update above C was not clipped by its client
-            over = (norms > c * (1 + _CLIENT_TOLERANCE)).tolist()
-            bits = []
-            for mt, norm, above in zip(stacked.metrics, norms.tolist(), over):
-                reported = mt.get(keys.CLIPPED)
-                was_clipped = bool(reported) if reported is not None else norm >= c * (1 - 1e-6)
-                bits.append(not (was_clipped or above))
-            if any(over):
-                log.warning(
-                    "round %d: %d client(s) sent updates above clip-norm=%g; clipped them on the server",
-                    server_round,
-                    sum(over),
-                    c,
-                )
+        if self.side == "client":  # the clients' own bits, as in the per-client form
+            seen = [
+                self._client_clipped(n, mt.get(keys.CLIPPED))
+                for n, mt in zip(norms.tolist(), stacked.metrics)
+            ]
+            bits = [not was_clipped for was_clipped, _ in seen]
+            above = sum(a for _, a in seen)
+            if above:
+                self._warn_above(server_round, above)
 
         sigma = noise_std(self.update_noise_multiplier, c, m)
         scale, gain = 1.0, 1.0 if tau_pub is None else tau_pub
@@ -551,6 +539,22 @@ class ClippingWrapper(Wrapper):
                 aggregated = {k: v for k, v in dict(aggregated).items() if k not in _CLIENT_STATISTICS}
         return out, MetricRecord(
             {**(dict(aggregated) if aggregated is not None else {}), **self._report(server_round, bits)}
+        )
+
+    def _client_clipped(self, norm: float, reported: Any) -> tuple[bool, bool]:
+        """Client side: whether the update of norm ``norm`` counts as clipped (its client's ``clipped`` flag, else a
+        norm at ``C``; an update above ``C`` always does, the server clips it) and whether it was above ``C``."""
+        c = self.clip_norm
+        above = norm > c * (1 + _CLIENT_TOLERANCE)
+        was_clipped = bool(reported) if reported is not None else norm >= c * (1 - 1e-6)
+        return was_clipped or above, above
+
+    def _warn_above(self, server_round: int, count: int) -> None:
+        log.warning(
+            "round %d: %d client(s) sent updates above clip-norm=%g; clipped them on the server",
+            server_round,
+            count,
+            self.clip_norm,
         )
 
     def _report(self, server_round: int, bits: list[bool]) -> dict[str, float]:

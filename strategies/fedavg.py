@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log as flwr_log
 
+from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, weighted_mean
-from fedsim.strategies.records import average_metrics, reply_arrays, reply_metrics, to_record
+from fedsim.strategies.records import reply_arrays, reply_metrics, to_record
 
 if TYPE_CHECKING:
     from fedsim.messages import StackedReplies
@@ -113,11 +113,7 @@ class FedAvg(FlowerFedAvg):
             log.warning("all replies have %s = 0; weighting them equally", key)
             weights = [1.0] * n
         arrays = to_record(cast_like(self.combine_stacked(stacked, weights), stacked.dtypes()))
-        if self.train_metrics_aggr_fn is aggregate_metricrecords:  # Flower's default, over plain dicts
-            metrics = average_metrics(stacked.metrics, key)
-        else:
-            metrics = self.train_metrics_aggr_fn(stacked.metric_contents(), key)
-        return arrays, metrics
+        return arrays, base.stacked_train_metrics(self, stacked, key)
 
 
 # what aggregate_stacked stands in for: a subclass that replaces one of these without giving combine_stacked

@@ -9,16 +9,16 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
-from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from flwr.supercore import log as flwr_log
 
 from fedsim.checks import integer
 from fedsim.errors import ConfigError
+from fedsim.strategies import base
 from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 from fedsim.strategies.flower_names import alias
-from fedsim.strategies.records import average_metrics, to_record
+from fedsim.strategies.records import to_record
 
 log = logging.getLogger("fedsim")
 
@@ -149,7 +149,9 @@ class Krum(ServerMomentum):
         return krum_select(flat, self.num_malicious, self.num_selected)
 
     def combine_stacked(self, stacked, weights) -> dict[str, np.ndarray]:
-        """The server step to the uniform mean of the rows Krum keeps (float64)."""
+        """The server step to the uniform mean of the rows Krum keeps (float64): the batched form of Krum's
+        aggregation that ``takes_stacked`` looks for; ``aggregate_stacked`` does the same and keeps the choice
+        for the metrics."""
         chosen = self._chosen_stacked(stacked)
         return self.server_step(stacked.take(chosen).weighted_mean([1.0] * len(chosen)))
 
@@ -164,8 +166,4 @@ class Krum(ServerMomentum):
         chosen = self._chosen_stacked(stacked)
         kept = stacked.take(chosen)
         arrays = self.server_step(kept.weighted_mean([1.0] * len(chosen)))
-        if self.train_metrics_aggr_fn is aggregate_metricrecords:  # Flower's default, over plain dicts
-            metrics = average_metrics(kept.metrics, key)
-        else:
-            metrics = self.train_metrics_aggr_fn(kept.metric_contents(), key)
-        return to_record(cast_like(arrays, stacked.dtypes())), metrics
+        return to_record(cast_like(arrays, stacked.dtypes())), base.stacked_train_metrics(self, kept, key)

@@ -726,15 +726,8 @@ def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.
         return [{} for _ in members]
     k = len(members)
     device = next(iter(params.values())).device
-    first = members[0].start
-    shared = all(c.start is first for c in members)
-
-    def start(n: str) -> torch.Tensor:
-        if shared:
-            return first[n].to(device).unsqueeze(0)
-        return torch.stack([c.start[n] for c in members]).to(device)
-
-    deltas = {n: params[n] - start(n) for n in names}
+    starts = _stack_starts(members, names, device)
+    deltas = {n: params[n] - starts[n] for n in names}
     squares = torch.zeros(k, dtype=torch.float64, device=device)
     for d in deltas.values():
         squares += d.double().square().reshape(k, -1).sum(1)
@@ -745,9 +738,7 @@ def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.
         scale = [bounds[i] / norms[i] for i in rows.tolist()]
         for n, d in deltas.items():
             factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
-            base = start(n)
-            base = base.expand_as(d).index_select(0, rows) if shared else base.index_select(0, rows)
-            params[n].index_copy_(0, rows, base + d.index_select(0, rows) * factor)
+            params[n].index_copy_(0, rows, starts[n].index_select(0, rows) + d.index_select(0, rows) * factor)
     return [
         {} if b is None else {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
         for b, norm, c in zip(bounds, norms, clipped)
