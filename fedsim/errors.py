@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import re
 import shutil
 import signal
 import threading
@@ -314,3 +315,111 @@ def where_it_failed(e: BaseException) -> str:
     file, line = (user or frames or [("?", 0)])[-1]
     text = (str(original).strip().splitlines() or [""])[0][:300]
     return f"{file}:{line}: {type(original).__name__}" + (f": {text}" if text else "")
+
+
+# ------------------------------------------------------------------------ a client's error, as one line
+REPLY_ERROR_CHARS = 300  # characters of an error reply's message kept in its one-line summary
+
+# the exceptions Flower and Ray wrap a ClientApp's own in (their messages repeat it without its type)
+_WRAPPERS = frozenset({"ClientAppException", "RayTaskError", "RayActorError"})
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_FLOWER_REASON = re.compile(r"<class '([\w.()]+)'>:<'(.*?)'>(?=\n|$)", re.S)  # "<class 'T'>:<'message'>"
+_EXCEPTION_LINE = re.compile(r"(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*)(?:\([\w.]*\))?: ?(.*)")
+_CHAIN_BREAKS = ("The above exception", "During handling of the above", "Traceback (most recent")
+
+
+def _exception_line(line: str) -> tuple[str, str] | None:
+    """``(type, message start)`` of a traceback's last line (``KeyError: 'lr'``), else None."""
+    m = _EXCEPTION_LINE.fullmatch(line)
+    if m is None or not re.search(r"(Error|Exception|Exit|Interrupt|Timeout)\w*$", m.group(1)):
+        return None
+    return m.group(1), m.group(2)
+
+
+def reply_error(reason: str, limit: int = REPLY_ERROR_CHARS) -> str:
+    """One line for an error reply's ``reason``: the client's exception type and the first ``limit`` characters
+    of its whole message (every line of it: the key names of ``Error(s) in loading state_dict``).
+
+    Reads Flower's deployed form (``<class 'KeyError'>:<''lr''>``), a simulation's Ray traceback (the original
+    exception, not Flower's ``ClientAppException`` wrapper around it) and fedsim's pool engine's form (both).
+    """
+    text = _ANSI.sub("", str(reason))
+    flower = _FLOWER_REASON.match(text)
+    if flower is not None:  # the message itself, then what follows it (fedsim's pool engine: a traceback)
+        text = flower.group(2) + text[flower.end() :]
+    found, lines = None, text.splitlines()
+    for i, line in enumerate(lines):
+        hit = _exception_line(line)
+        if hit is not None and hit[0] not in _WRAPPERS:
+            found = i, hit
+    if found is not None:
+        i, (kind, start) = found
+        rest = []
+        for line in lines[i + 1 :]:
+            if line.startswith(_CHAIN_BREAKS):
+                break
+            rest.append(line)
+        message = " ".join([start, *rest])
+    else:
+        kind = flower.group(1).rsplit(".", 1)[-1] if flower is not None else ""
+        message = flower.group(2) if flower is not None else text
+    message = " ".join(message.split())
+    if len(message) > limit:
+        message = message[:limit].rstrip() + " ..."
+    return f"{kind}: {message}" if kind else (message or "unknown error")
+
+
+# Flower's log lines about a ClientApp's exception (the Ray traceback, twice, and a notice), in its own logger
+_CLIENT_TRACEBACK_MARKERS = (
+    "Traceback (most recent call last)",
+    "ClientAppException",
+    "An exception was raised when processing a message",
+)
+
+
+class ClientTracebacks(logging.Filter):
+    """A filter for Flower's logger that moves its records of a client's exception to the file ``path``
+    (opened at the first one), off the console: the server's one-line warning per kind of failure stands for
+    them (:func:`reply_error`). ``count`` is how many it moved."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        self.path, self.count = Path(path), 0
+        self._handler: logging.Handler | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        text = record.getMessage()
+        if not record.exc_info and not any(m in text for m in _CLIENT_TRACEBACK_MARKERS):
+            return True
+        if self._handler is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handler = logging.FileHandler(self.path, encoding="utf-8")
+            self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self._handler.handle(record)
+        self.count += 1
+        return False
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._handler is not None:
+            self._handler.close()
+
+
+@contextlib.contextmanager
+def client_tracebacks_to(path: str | Path, logger: str = "flwr"):
+    """Within the block, Flower's records of a client's exception go to ``path``, not to the console; on the
+    way out, one warning line names the file when any went there."""
+    moved = ClientTracebacks(path)
+    flwr_log = logging.getLogger(logger)
+    flwr_log.addFilter(moved)
+    try:
+        yield moved
+    finally:
+        flwr_log.removeFilter(moved)
+        moved.close()
+        if moved.count:
+            logging.getLogger("fedsim").warning(
+                "%d log record(s) of client exceptions (tracebacks) are in %s", moved.count, moved.path
+            )

@@ -16,7 +16,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedsim import keys
-from fedsim.errors import RunError
+from fedsim.errors import RunError, reply_error
 from fedsim.strategies.records import array_values
 
 log = logging.getLogger("fedsim")
@@ -260,12 +260,9 @@ def discover(
 
 
 def first_line(reason: str) -> str:
-    """The most informative single line of a (possibly Ray-wrapped) error reason."""
-    lines = [ln.strip() for ln in str(reason).splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if "Error" in ln or "Exception" in ln:
-            return ln[:300]
-    return (lines[-1] if lines else "unknown error")[:300]
+    """An error reply's reason as one line: the exception type and the start of its whole message
+    (``fedsim.errors.reply_error``)."""
+    return reply_error(reason)
 
 
 def _node(rep: Message) -> str:

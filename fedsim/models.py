@@ -2,13 +2,16 @@
 
 Each factory takes ``input_shape`` and ``num_classes`` (filled in by fedsim from the data set) plus its own
 hyperparameters, and returns an ``nn.Module`` mapping ``(batch, *input_shape)`` to ``(batch, num_classes)``
-logits. Any ``_target_`` with this signature can be used as ``model=``.
+logits. Any ``_target_`` with this signature can be used as ``model=``, and so can one that takes only some of
+them, or none: a Flower app's own ``Net`` class (``model._target_=mytask.Net``) is built as ``Net()``
+(:func:`build_model` passes only the arguments the factory's signature names).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -72,8 +75,51 @@ def cnn(
     return nn.Sequential(*layers)
 
 
+def factory_arguments(factory: Callable, **given) -> dict:
+    """The entries of ``given`` that ``factory`` takes: those its signature names, all of them when it takes
+    ``**kwargs`` or has no signature to read (a builtin)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return given
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return given
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in given.items() if k in names}
+
+
 def build_model(factory, input_shape: Sequence[int], num_classes: int, seed: int) -> nn.Module:
-    """Build a model with weights drawn from ``seed`` without touching the global torch RNG."""
+    """Build a model with weights drawn from ``seed`` without touching the global torch RNG.
+
+    ``factory`` gets ``input_shape`` and ``num_classes`` where its signature takes them (a Flower app's ``Net``,
+    which takes neither, is called as ``Net()``). A hyperparameter the factory does not take (``model.hidden``
+    left over from ``model=mlp`` when ``model._target_`` names another class) is one ``ConfigError`` naming it.
+    """
+    given = factory_arguments(factory, input_shape=tuple(input_shape), num_classes=num_classes)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return factory(input_shape=tuple(input_shape), num_classes=num_classes)
+        try:
+            return factory(**given)
+        except TypeError as e:
+            unexpected = _unexpected_keyword(factory, e)
+            if unexpected is None:
+                raise
+            key, value = unexpected
+            target = getattr(getattr(factory, "func", factory), "__name__", "the model factory")
+            raise ConfigError(
+                key,
+                value,
+                f"a parameter of {target}",
+                f"{target} takes no {key!r}: drop it with ~model.{key}.",
+            ) from None
+
+
+def _unexpected_keyword(factory, e: TypeError) -> tuple[str, object] | None:
+    """The hyperparameter (``functools.partial`` keyword) that ``e`` says the factory does not take, if any."""
+    import re
+
+    m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+    keywords = getattr(factory, "keywords", None) or {}
+    if m is None or m.group(1) not in keywords:
+        return None
+    return m.group(1), keywords[m.group(1)]

@@ -20,6 +20,16 @@ OVERRIDES = "overrides"  # run_config key: Hydra overrides, one string
 OUT_DIR = "out-dir"  # run_config key: the run folder ("" = outputs/deploy-<timestamp>)
 NODES = "nodes"  # run_config key: the node binding file on the server ("" = none)
 
+# Flower's conventional run_config keys (what `flwr new` and quickstart-pytorch declare in
+# [tool.flwr.app.config]) and the fedsim settings each one sets, so that a stock app's own numbers mean what
+# they mean under its own ServerApp; ``overrides`` come after them and win
+FLOWER_RUN_CONFIG = {
+    "num-server-rounds": ("num_rounds",),
+    "fraction-train": ("clients_per_round=null", "client_fraction"),
+    "local-epochs": ("client.local_epochs",),
+    "lr": ("client.lr",),
+}
+
 
 class DeployConfigError(RuntimeError):
     """A deployed run's configuration cannot be used; the message is one line for ``flwr ls``/``flwr log``."""
@@ -33,6 +43,20 @@ def parse_overrides(text: str) -> list[str]:
         raise ConfigError(
             OVERRIDES, text, "Hydra overrides separated by spaces, with balanced quotes", f"({e})."
         ) from None
+
+
+def flower_overrides(run_config) -> list[str]:
+    """The fedsim overrides of Flower's conventional keys in ``run_config`` (``lr=0.01`` -> ``client.lr=0.01``)."""
+    out = []
+    for key, settings in FLOWER_RUN_CONFIG.items():
+        if key in run_config:
+            out += [*settings[:-1], f"{settings[-1]}={run_config[key]}"]
+    return out
+
+
+def run_overrides(run_config) -> list[str]:
+    """Every Hydra override of a run: those of Flower's conventional keys, then ``overrides``."""
+    return flower_overrides(run_config) + parse_overrides(run_config.get(OVERRIDES, ""))
 
 
 def _config_source() -> tuple[str, str]:
@@ -112,9 +136,10 @@ def binding_from(run_config: dict):
 
 
 def experiment_from(run_config: dict) -> tuple[DictConfig, dict, Path]:
-    """Config, group choices and run folder of a deployed run, from its ``run_config``."""
+    """Config, group choices and run folder of a deployed run, from its ``run_config``: its ``overrides``, after
+    those of Flower's conventional keys (``num-server-rounds``, ``fraction-train``, ``local-epochs``, ``lr``)."""
     try:
-        overrides = parse_overrides(run_config.get(OVERRIDES, ""))
+        overrides = run_overrides(run_config)
     except ConfigError as e:
         raise DeployConfigError(f"fedsim config error: {e}") from None
     from fedsim.override_check import unknown_key

@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from flwr.app import Context, Message
 
 from fedsim import keys
 from fedsim.errors import ConfigError
-from fedsim.run_config import OVERRIDES
+from fedsim.run_config import OVERRIDES, run_overrides
 
 
 class MissingSpecError(RuntimeError):
@@ -126,7 +127,11 @@ def run_spec(msg: Message, context: Context) -> str:
             '[tool.flwr.app.config] (e.g. overrides = "num_clients=10 model=mlp") so that it composes the '
             "same config as the ServerApp's model and data"
         )
-    own = _operator_spec(str(overrides), context)
+    try:  # Flower's conventional keys (``lr``, ``local-epochs``, ...) too, as fedsim's ServerApp reads them
+        overrides = shlex.join(run_overrides(context.run_config))
+    except ConfigError as e:
+        raise MissingSpecError(f"fedsim's ClientApp cannot build its task from run_config: {e}") from None
+    own = _operator_spec(overrides, context)
     if sent is not None and sent != own:
         try:
             theirs = json.loads(sent)

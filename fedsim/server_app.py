@@ -22,6 +22,14 @@ Besides the usual run folder (metrics.jsonl, summary.json, model.pt, ...), a dep
 answered what, with how much data, and when; and ``nodes.json``: the nodes accepted (with the partition) and
 refused (with the reason), each with its registered name and public-key fingerprint.
 
+A Flower app of one's own runs under this ServerApp unchanged (docs/interop.md): its pyproject's ``serverapp``
+names ``fedsim.server_app:app`` and its ``clientapp`` its own ClientApp. Flower's conventional run_config keys
+(``num-server-rounds``, ``fraction-train``, ``local-epochs``, ``lr``) set fedsim's ``num_rounds``,
+``client_fraction``, ``client.local_epochs`` and ``client.lr`` (``overrides`` win), and every train message carries
+Flower's conventional train-config keys ``lr`` and ``local-epochs`` (:class:`FlowerTrainKeys`) beside fedsim's
+own. A client's exception is one warning line per kind and round (its type and message); Flower's tracebacks of
+it go to ``client_errors.log`` in the run folder, not to the console.
+
 A config error ends the run with one line naming the key and the value (``flwr ls`` shows it as the run's
 status details; ``flwr log`` shows it too).
 """
@@ -36,12 +44,13 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, MessageType
 from flwr.serverapp import Grid, ServerApp
 
 from fedsim import keys
-from fedsim.errors import ConfigError
+from fedsim.errors import ConfigError, client_tracebacks_to
 from fedsim.grid_utils import GridView, push_and_pull
+from fedsim.messages import FLOWER_EPOCHS, FLOWER_LR
 from fedsim.run_config import (  # noqa: F401  (the run_config keys and helpers, re-exported)
     NODES,
     OUT_DIR,
@@ -60,6 +69,48 @@ app = ServerApp()
 
 
 REPLY_POLL = 0.1  # seconds between pulls while the server waits for replies (Flower's own Grid: 3 s)
+CLIENT_ERRORS_LOG = "client_errors.log"  # in the run folder: Flower's tracebacks of clients' exceptions
+
+
+class FlowerTrainKeys(GridView):
+    """The SuperLink's Grid, forwarding every call, that adds Flower's conventional train-config keys to every
+    train message: ``lr`` and (when local training counts epochs, not steps) ``local-epochs``, the values
+    fedsim's own ClientApp uses for that message's run spec. A stock Flower ClientApp reads them
+    (``msg.content["config"]["lr"]``); a key the strategy set itself is kept.
+    """
+
+    def __init__(self, grid: Grid) -> None:
+        super().__init__(grid)
+        self._known: dict[str, dict] = {}  # run spec -> the keys it gives
+
+    def _keys(self, spec: str) -> dict:
+        if spec not in self._known:
+            from fedsim.build import local_training
+
+            local = local_training(json.loads(spec))
+            extra = {FLOWER_LR: float(local.lr)}
+            if not local.local_steps:
+                extra[FLOWER_EPOCHS] = int(local.local_epochs)
+            self._known = {spec: extra}  # one run, one spec: keep the last
+        return self._known[spec]
+
+    def add_keys(self, messages: list[Message]) -> None:
+        """Add the keys to the ConfigRecord of each train message that carries a run spec (in place)."""
+        for m in messages:
+            config = m.content.config_records.get(keys.CONFIG) if m.has_content() else None
+            if m.metadata.message_type != MessageType.TRAIN or config is None or keys.RUN_SPEC not in config:
+                continue
+            for key, value in self._keys(str(config[keys.RUN_SPEC])).items():
+                if key not in config:
+                    config[key] = value
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.add_keys(messages)
+        return self._grid.push_messages(messages)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return push_and_pull(self, messages, timeout, REPLY_POLL)
 
 
 class ReplyLog(GridView):
@@ -207,12 +258,13 @@ def serve(grid: Grid, run_config: dict) -> None:
             NODES,
             NODES,
         )
-    replies = ReplyLog(grid, out_dir / "replies.jsonl")
+    replies = ReplyLog(FlowerTrainKeys(grid), out_dir / "replies.jsonl")
     # a partition whose bound node was refused waits half of node_timeout for another node, then is skipped
     wait = float(cfg.get("node_timeout") or 300) / 2
     gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE, vacancy_wait=wait)
     try:
-        summary = run_experiment(cfg, out_dir, choices, grid=gate)
+        with client_tracebacks_to(out_dir / CLIENT_ERRORS_LOG):
+            summary = run_experiment(cfg, out_dir, choices, grid=gate)
     except ConfigError as e:
         log.error("config error: %s", e)
         raise DeployConfigError(f"fedsim config error: {e}") from None
