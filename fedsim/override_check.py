@@ -191,13 +191,15 @@ def _unknown_key(argv: list[str], into: dict | None) -> str | None:
     loader, config_name, overrides = view
     try:  # the usual case: the whole command line composes, so every key exists (Hydra's config is struct)
         cfg = loader.load_configuration(config_name, overrides, run_mode=RunMode.RUN)
-        if into is not None:
-            into[tuple(argv)] = cfg
-        return None
     except Exception as e:  # noqa: BLE001  (a key or option that does not exist, a sweep, ...: looked at below)
         bad_yaml = errors.yaml_problem(e)  # a YAML file of the user's that does not parse: Hydra's report of
         if bad_yaml:  # it is a traceback
             return bad_yaml
+    else:
+        added = _added_key(loader, config_name, overrides)  # `+foo=1` composes: nothing would ever read foo
+        if added is None and into is not None:
+            into[tuple(argv)] = cfg
+        return added
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
         searchpath = [o.input_line for o in parsed if o.get_key_element() == "hydra.searchpath"]
@@ -222,6 +224,7 @@ def _unknown_key(argv: list[str], into: dict | None) -> str | None:
         cfg = loader.load_configuration(config_name, picks, run_mode=RunMode.RUN)
     except Exception:  # noqa: BLE001  (e.g. a group not in the primary config's defaults: Hydra says so)
         return None
+    choices = dict(cfg.hydra.runtime.choices) if "hydra" in cfg else {}
     with open_dict(cfg):
         cfg.pop("hydra", None)
     known = _all_keys(cfg)
@@ -231,6 +234,9 @@ def _unknown_key(argv: list[str], into: dict | None) -> str | None:
             continue
         if _has_key(cfg, key):
             continue
+        other = _other_options(loader, config_name, searchpath, groups, choices, o)
+        if other:
+            return other
         close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         return (
@@ -238,6 +244,114 @@ def _unknown_key(argv: list[str], into: dict | None) -> str | None:
             f"(use +{key}=... to add a new one on purpose)"
         )
     return None
+
+
+def _option_configs(loader, config_name: str, searchpath: list[str], group: str, options: list[str]):
+    """``(option, its own config file's content)`` for each option of ``group`` (what the file itself sets, not
+    what its defaults list brings)."""
+    _, repo = loader._parse_overrides_and_create_caching_repo(config_name, searchpath)
+    for option in options:
+        try:
+            found = repo.load_config(f"{group}/{option}")
+        except Exception:  # noqa: BLE001  (a file that does not parse: Hydra says so when it is picked)
+            continue
+        if found is not None and isinstance(found.config, DictConfig):
+            yield option, found.config
+
+
+def _key_set(node) -> set[str]:
+    """The dotted keys of a config, its values unresolved (an option's file alone has dangling interpolations)."""
+    from omegaconf import OmegaConf
+
+    def walk(d, prefix: str) -> set[str]:
+        out = set()
+        for k, v in d.items():
+            out.add(f"{prefix}{k}")
+            if isinstance(v, dict):
+                out |= walk(v, f"{prefix}{k}.")
+        return out
+
+    return walk(OmegaConf.to_container(node, resolve=False), "")
+
+
+def _other_options(loader, config_name, searchpath, groups, choices, override) -> str | None:
+    """For a key the composed config lacks under a group (``strategy.proximal_mu`` with ``strategy=fedavg``): a
+    message naming the group's options that have it, the one most like the current option first
+    (``strategy=fedprox``), else None."""
+    key = override.key_or_group
+    for group in sorted(groups, key=len, reverse=True):  # the deepest group holding the key
+        prefix = group.replace("/", ".") + "."
+        if not key.startswith(prefix):
+            continue
+        rest, current = key[len(prefix) :], choices.get(group)
+        configs = dict(_option_configs(loader, config_name, searchpath, group, groups[group]))
+        mine = _key_set(configs[current]) if current in configs else set()
+        have = sorted(
+            (o for o, c in configs.items() if o != current and _has_key(c, rest)),
+            key=lambda o: (len(mine.symmetric_difference(_key_set(configs[o]))), o),
+        )
+        if not have:
+            return None
+        also = f" (also {', '.join(f'{group}={o}' for o in have[1:4])})" if len(have) > 1 else ""
+        return (
+            f"unknown config key '{key}' with {group}={current}: it belongs to {group}={have[0]}{also}; "
+            f"try: fedsim {group}={have[0]} {override.input_line}"
+        )
+    return None
+
+
+def _added_key(loader, config_name: str, overrides: list[str]) -> str | None:
+    """A message for a ``+key=value`` (or ``++``) that adds a key nothing reads, else None.
+
+    The declared extension points: a config group (``+group=option``, a user's own group included), a key in a
+    group's section (``+strategy.foo=1``: the builder passes it to the section's ``_target_`` and names it in one
+    line when the target does not take it), and ``target_<metric>`` (the round a task's metric reaches it).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001  (it composed, so it parses: left to Hydra if not)
+        return None
+    adds = [
+        o
+        for o in parsed
+        if o.type in (OverrideType.ADD, OverrideType.FORCE_ADD)
+        and not o.is_hydra_override()
+        and not o.key_or_group.startswith(TARGET_PREFIX)
+    ]
+    if not adds:
+        return None
+    searchpath = [o.input_line for o in parsed if o.get_key_element() == "hydra.searchpath"]
+    try:
+        groups = {g.replace("/", ".") for g in _group_options(loader, config_name, searchpath)}
+    except Exception:  # noqa: BLE001  (a search path Hydra reports)
+        return None
+    base = None  # the config without the + overrides: a key it has already is no new key
+    for o in adds:
+        key = o.key_or_group
+        if key in groups or any(key.startswith(g + ".") for g in groups):
+            continue
+        if base is None:
+            rest = [x.input_line for x in parsed if x not in adds]
+            try:
+                base = loader.load_configuration(config_name, rest, run_mode=RunMode.RUN)
+            except Exception:  # noqa: BLE001  (left to Hydra)
+                return None
+        if _has_key(base, key):
+            continue
+        plus = "++" if o.type == OverrideType.FORCE_ADD else "+"
+        return (
+            f"{plus}{o.input_line.lstrip('+')} is not allowed: it adds a key nothing reads ({key!r} is in no "
+            f"config group's section); a + key may add an option of a config group (+group=option), a parameter "
+            f"of a group's section (+strategy.foo=...) or {TARGET_PREFIX}<metric>; `fedsim --cfg job` prints "
+            "every key"
+        )
+    return None
+
+
+TARGET_PREFIX = "target_"  # target_<metric>: the first round a task's metric reaches it (fedsim.run)
 
 
 def null_group(argv: list[str]) -> str | None:

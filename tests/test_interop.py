@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -390,3 +391,281 @@ def test_a_key_that_is_no_public_key_is_a_value_error_for_the_node_gate(key):
 
     with pytest.raises(ValueError):
         canonical_key(key)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Flower's own apps, verbatim except their data loading (tests/flower_apps): a quickstart-pytorch-style app and
+# the PyTorch app `flwr new` generates, each with its pyproject pointing `serverapp` at fedsim's ServerApp.
+FLOWER_APPS = Path(__file__).resolve().parent / "flower_apps"
+
+
+def _app_config(app: str) -> dict:
+    import tomllib
+
+    return tomllib.loads((FLOWER_APPS / app / "pyproject.toml").read_text())["tool"]["flwr"]["app"]
+
+
+class _RunConfigPool(PoolGrid):
+    """Nodes running a Flower App's ClientApp with the app's run_config (as under ``flwr run``), seen as a
+    deployment's grid by the server (it asks them who they are)."""
+
+    def __init__(self, n: int, app: str, run_config: dict) -> None:
+        super().__init__(n, app_ref=_app_config(app)["components"]["clientapp"])
+        self._run_config = run_config
+
+    def _context(self, node_id: int) -> Context:
+        ctx = super()._context(node_id)
+        ctx.run_config = dict(self._run_config)
+        return ctx
+
+
+@pytest.fixture
+def app_on_path(monkeypatch):
+    """Put a Flower App's folder on sys.path (as Flower does for the app it runs); forget its modules after."""
+    import sys
+
+    def add(app: str) -> None:
+        monkeypatch.syspath_prepend(str(FLOWER_APPS / app))
+
+    yield add
+    for name in [m for m in sys.modules if m.split(".")[0] in ("quickstart", "pytorchapp")]:
+        del sys.modules[name]
+
+
+def _serve_app(app: str, out: Path, extra: str, nodes: int) -> list[dict]:
+    """fedsim's ServerApp (``serve``, what ``fedsim.server_app:app`` runs) on nodes running ``app``'s ClientApp,
+    with the app's own run_config plus ``extra`` overrides; the run's metrics."""
+    from fedsim.server_app import serve
+
+    run_config = {**_app_config(app)["config"], "out-dir": str(out)}
+    run_config["overrides"] = f"{run_config['overrides']} {extra}"
+    with _RunConfigPool(nodes, app, run_config) as pool:
+        serve(_WithoutPartitionOf(pool), run_config)
+    return read_metrics(out)
+
+
+def _check_trained(
+    out: Path, metrics: list[dict], rounds: int, per_round: int, lr: float, epochs: int
+) -> None:
+    """Every round aggregated ``per_round`` replies of the stock client (its own ``train_loss``), none failed,
+    and the server's accuracy on its own test split rose well above chance (10 classes)."""
+    trained = [r for r in metrics if r["round"] > 0]
+    assert [r["num_clients"] for r in trained] == [per_round] * rounds
+    assert all(r["failures"] == 0 and "train_loss" in r for r in trained)
+    assert metrics[0]["eval_accuracy"] < 0.2 < 0.5 < trained[-1]["eval_accuracy"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    client = summary["config"]["client"]  # the app's own lr and local-epochs became fedsim's config
+    assert (client["lr"], client["local_epochs"]) == (lr, epochs)
+
+
+def test_the_quickstart_app_trains_under_fedsims_serverapp(tmp_path, app_on_path):
+    """The quickstart app reads `lr` from the train config and `local-epochs` from the run config, and builds its
+    own Net(): fedsim sends `lr`, reads the app's run_config, and builds the initial model as Net()."""
+    app_on_path("quickstart")
+    metrics = _serve_app("quickstart", tmp_path, "num_clients=3 clients_per_round=3 quiet=true", 3)
+    _check_trained(tmp_path, metrics, rounds=2, per_round=3, lr=0.01, epochs=1)  # num-server-rounds = 2
+
+
+@pytest.mark.slow
+def test_the_flwr_new_pytorch_app_trains_under_fedsims_serverapp(tmp_path, app_on_path):
+    app_on_path("pytorchapp")
+    metrics = _serve_app("pytorchapp", tmp_path, "num_clients=4 quiet=true", 4)
+    # num-server-rounds = 3, fraction-train = 0.5: 2 of the 4 clients a round
+    _check_trained(tmp_path, metrics, rounds=3, per_round=2, lr=0.01, epochs=1)
+
+
+def test_a_model_factory_gets_only_the_arguments_it_takes(app_on_path):
+    from fedsim import build
+    from fedsim.client_app import spec_from_overrides
+
+    app_on_path("quickstart")
+    from quickstart.task import Net
+
+    spec = json.loads(spec_from_overrides("model._target_=quickstart.task.Net ~model.hidden"))
+    model = build.build_initial_model(spec)
+    assert type(model) is Net
+    assert {k: v.shape for k, v in model.state_dict().items()} == {
+        k: v.shape for k, v in Net().state_dict().items()
+    }
+    from fedsim.models import factory_arguments
+
+    def only_classes(num_classes):
+        return num_classes
+
+    assert factory_arguments(only_classes, input_shape=(1,), num_classes=3) == {"num_classes": 3}
+    assert factory_arguments(lambda **kw: kw, input_shape=(1,), num_classes=3) == {
+        "input_shape": (1,),
+        "num_classes": 3,
+    }
+
+
+def test_a_hyperparameter_the_users_net_does_not_take_is_one_config_error(app_on_path):
+    from fedsim import build
+    from fedsim.client_app import spec_from_overrides
+
+    app_on_path("quickstart")
+    spec = json.loads(spec_from_overrides("model._target_=quickstart.task.Net"))  # model=mlp's hidden stays
+    with pytest.raises(ConfigError) as err:
+        build.build_initial_model(spec)
+    assert str(err.value).startswith("model.hidden=[64] is not allowed") and "~model.hidden" in str(err.value)
+
+
+def test_flowers_run_config_keys_set_fedsims_and_overrides_win():
+    from fedsim.run_config import experiment_from
+
+    run_config = {"num-server-rounds": 3, "fraction-train": 0.5, "local-epochs": 4, "lr": 0.02}
+    cfg, _, _ = experiment_from(run_config)
+    assert (cfg.num_rounds, cfg.clients_per_round, cfg.client_fraction) == (3, None, 0.5)
+    assert (cfg.client.lr, cfg.client.local_epochs) == (0.02, 4)
+    cfg, _, _ = experiment_from({**run_config, "overrides": "num_rounds=7 clients_per_round=2 client.lr=0.1"})
+    assert (cfg.num_rounds, cfg.clients_per_round, cfg.client.lr, cfg.client.local_epochs) == (7, 2, 0.1, 4)
+
+
+def _train_message(spec: str, kind: str = "train", **config) -> Message:
+    content = RecordDict({keys.CONFIG: ConfigRecord({keys.RUN_SPEC: spec, **config})})
+    return Message(content, 1, kind)
+
+
+def test_train_messages_carry_flowers_lr_and_local_epochs_from_the_run_spec():
+    from fedsim.build import local_training
+    from fedsim.client_app import spec_from_overrides
+    from fedsim.server_app import FlowerTrainKeys
+
+    spec = spec_from_overrides("client.lr=0.03 client.local_epochs=3")
+    local = local_training(json.loads(spec))
+    add = FlowerTrainKeys(None).add_keys
+    msgs = [_train_message(spec), _train_message(spec, lr=0.5), _train_message(spec, "evaluate")]
+    add(msgs)
+    configs = [m.content[keys.CONFIG] for m in msgs]
+    assert (configs[0]["lr"], configs[0]["local-epochs"]) == (local.lr, local.local_epochs) == (0.03, 3)
+    assert configs[1]["lr"] == 0.5  # the strategy's own value stays
+    assert "lr" not in configs[2] and "local-epochs" not in configs[2]  # evaluate messages are left alone
+    steps = [_train_message(spec_from_overrides("client.local_steps=5"))]
+    add(steps)
+    assert "local-epochs" not in steps[0].content[keys.CONFIG]  # fedsim counts steps: no epochs to name
+
+
+def test_fedsims_clientapp_derives_the_servers_spec_with_flowers_keys_in_the_run_config():
+    """A pyproject declaring `lr` and `local-epochs` beside `overrides`: fedsim's ClientApp composes the same spec
+    as fedsim's ServerApp sends (else it would refuse every message)."""
+    from fedsim.build import bind_client_algorithm, build_strategy, client_spec
+    from fedsim.client_app import run_spec
+    from fedsim.run_config import experiment_from
+
+    run_config = {"overrides": "num_clients=3", "lr": 0.02, "local-epochs": 3}
+    cfg, _, _ = experiment_from(run_config)
+    sent = json.loads(client_spec(cfg, device=str(cfg.placement.device)))
+    bind_client_algorithm(sent, build_strategy(cfg, int(cfg.num_clients)))
+    sent = json.dumps(sent, sort_keys=True)
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=run_config)
+    assert run_spec(_train_message(sent), ctx) == sent
+    assert json.loads(sent)["client"]["lr"] == 0.02
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A failing reply, reported whole
+RAY_REASON = (  # the shape of a ClientApp's exception under Flower's Ray simulation (colours and paths cut)
+    "<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'\x1b[36mray::ClientAppActor.run()\x1b[39m "
+    '(pid=1, ip=127.0.0.1)\n  File "client_app.py", line 13, in train\n'
+    "    model.load_state_dict(state)\nRuntimeError: Error(s) in loading state_dict for Net:\n"
+    '\tMissing key(s) in state_dict: "fc1.weight", "fc1.bias". \n\tUnexpected key(s) in state_dict: "0.weight". '
+    "\n\nThe above exception was the direct cause of the following exception:\n\n"
+    '\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=1, ip=127.0.0.1)\n  File "ray_actor.py", line 65, in run\n'
+    "    raise ClientAppException(str(ex)) from ex\nflwr.clientapp.client_app.ClientAppException: \n"
+    "Exception ClientAppException occurred. Message: Error(s) in loading state_dict for Net:\n"
+    '\tMissing key(s) in state_dict: "fc1.weight", "fc1.bias". \n\tUnexpected key(s) in state_dict: "0.weight".\'>'
+)
+WHOLE = (
+    'RuntimeError: Error(s) in loading state_dict for Net: Missing key(s) in state_dict: "fc1.weight", '
+    '"fc1.bias". Unexpected key(s) in state_dict: "0.weight".'
+)
+
+
+@pytest.mark.parametrize(
+    "reason, want",
+    [
+        (RAY_REASON, WHOLE),  # Ray: the original exception, not Flower's wrapper
+        (  # a deployed SuperNode's form
+            "<class 'RuntimeError'>:<'Error(s) in loading state_dict for Net:\n\tMissing key(s) in state_dict: "
+            '"fc1.weight", "fc1.bias". \n\tUnexpected key(s) in state_dict: "0.weight".\'>',
+            WHOLE,
+        ),
+        ("<class 'KeyError'>:<''lr''>", "KeyError: 'lr'"),
+        (  # fedsim's pool engine: Flower's form, then the traceback's end
+            "<class 'KeyError'>:<''lr''>\nTraceback (most recent call last):\n  File \"c.py\", line 3, in train\n"
+            "KeyError: 'lr'\n",
+            "KeyError: 'lr'",
+        ),
+    ],
+)
+def test_a_failing_reply_is_its_exception_type_and_whole_message(reason, want):
+    from fedsim.errors import reply_error
+
+    assert reply_error(reason) == want
+
+
+def test_a_long_error_message_keeps_its_first_300_characters():
+    from fedsim.errors import reply_error
+
+    line = reply_error("<class 'ValueError'>:<'" + "k" * 500 + "'>")
+    assert line == "ValueError: " + "k" * 300 + " ..."
+
+
+strict_app = ClientApp()
+
+
+@strict_app.train()
+def strict_train(msg: Message, context: Context) -> Message:
+    """A stock client whose own Net is not the server's model: load_state_dict fails, listing the keys."""
+    net = nn.Sequential(
+        nn.Flatten(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10), nn.ReLU(), nn.Linear(10, 10)
+    )
+    net.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.slow
+def test_a_failing_clients_warning_names_the_exception_and_every_key_once_per_round(tmp_path, caplog):
+    from fedsim.run import run_experiment
+
+    cfg = compose_cfg(*TINY)
+    with caplog.at_level(logging.WARNING, logger="fedsim"), pytest.raises(RunError):
+        run_experiment(cfg, tmp_path, grid=_stock_grid(6, "strict_app"))
+    warned = [r.getMessage() for r in caplog.records if "client(s) failed (error)" in r.getMessage()]
+    assert len(warned) == 2 and all("\n" not in w for w in warned)  # one line per kind, in each of 2 rounds
+    assert (
+        "RuntimeError: Error(s) in loading state_dict for Sequential: Missing key(s) in state_dict:"
+        in warned[0]
+    )
+    assert 'Missing key(s) in state_dict: "5.weight", "5.bias".' in warned[0]  # the keys, cut before
+
+
+def test_flowers_client_tracebacks_go_to_the_log_file_not_the_console(tmp_path, caplog):
+    from flwr.common.logger import log as flwr_log
+
+    from fedsim.errors import client_tracebacks_to
+
+    console: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: console.append(record.getMessage())
+    logging.getLogger("flwr").addHandler(handler)
+    path = tmp_path / "client_errors.log"
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedsim"), client_tracebacks_to(path):
+            flwr_log(logging.ERROR, "An exception was raised when processing a message by RayBackend")
+            flwr_log(logging.ERROR, RAY_REASON)
+            flwr_log(logging.ERROR, "Traceback (most recent call last):\n  File ...\nKeyError: 'lr'")
+            flwr_log(logging.ERROR, "ServerApp thread raised an exception")  # not a client's: stays
+            flwr_log(logging.INFO, "configure_train: Sampled 3 nodes (out of 3)")
+        flwr_log(logging.ERROR, "Traceback (most recent call last): after the run")  # filter gone
+    finally:
+        logging.getLogger("flwr").removeHandler(handler)
+    assert console == [
+        "ServerApp thread raised an exception",
+        "configure_train: Sampled 3 nodes (out of 3)",
+        "Traceback (most recent call last): after the run",
+    ]
+    text = path.read_text()
+    assert "RayBackend" in text and "Missing key(s)" in text and "KeyError: 'lr'" in text
+    assert f"3 log record(s) of client exceptions (tracebacks) are in {path}" in caplog.text

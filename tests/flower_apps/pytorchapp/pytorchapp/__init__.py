@@ -1,0 +1,1 @@
+"""pytorchapp: A Flower / PyTorch app."""
