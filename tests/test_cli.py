@@ -244,3 +244,68 @@ def test_a_config_error_comes_before_torch_and_flower_are_imported(tmp_path):
     }
     assert "fedsim.cli" in imported and "fedsim.validate" in imported
     assert not {"torch", "flwr"} & imported, sorted({"torch", "flwr"} & imported)
+
+
+# ---- hints that know config groups --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "override, group, option",
+    [
+        ("strategy.proximal_mu=0.1", "strategy", "fedprox"),  # fedprox is fedavg plus this key
+        ("model.channels=[8]", "model", "cnn"),
+        ("strategy.fraction_evaluat=1", "strategy", None),  # the closest key, when no option has it
+    ],
+)
+def test_a_key_of_another_option_of_a_group_suggests_that_option(override, group, option):
+    from fedsim.override_check import unknown_key
+
+    msg = unknown_key([override])
+    assert msg is not None and "\n" not in msg
+    if option is None:
+        assert f"with {group}=" not in msg and "did you mean" in msg
+    else:
+        assert f"it belongs to {group}={option}" in msg and f"try: fedsim {group}={option} {override}" in msg
+
+
+@pytest.mark.parametrize("plus", ["+foo=1", "++foo=1", "+checkpointing.every=3"])
+def test_a_plus_key_nothing_reads_is_refused_in_one_line(plus):
+    from fedsim.override_check import unknown_key
+    from fedsim.run_config import DeployConfigError, experiment_from
+
+    msg = unknown_key(["num_rounds=1", plus])
+    assert (
+        msg is not None
+        and msg.startswith(f"{plus} is not allowed: it adds a key nothing reads")
+        and "\n" not in msg
+    )
+    with pytest.raises(DeployConfigError, match="nothing reads"):  # the deployed ServerApp's check too
+        experiment_from({"overrides": plus})
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["+strategy.foo=1"],  # a parameter of a group's section: the builder names it if the target lacks it
+        ["strategy=fedbuff", "+strategy.alpha=0.5"],
+        ["+client._target_=fedsim.algorithms.scaffold.Scaffold"],
+        ["+heterogeneity.speeds=[1.0,0.5]"],
+        ["+partitioner.self_balancing=true"],
+        ["attack=alie", "++attack.knowledge=own"],
+        ["attack=none", "++attack.knowledge=own"],  # bench/reproduce.py's sweep over attack=none,alie
+        ["+target_mae=0.5"],  # target_<metric>
+        ["++seed=3"],  # a key the config has: ++ only sets it
+    ],
+)
+def test_the_declared_plus_keys_still_compose(argv):
+    from fedsim.override_check import unknown_key
+
+    assert unknown_key(argv) is None
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_unknown_plus_key_and_hints_a_groups_option(tmp_path):
+    res = fedsim("+foo=1", "num_rounds=1", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "fedsim: config error: +foo=1 is not allowed: it adds a key nothing reads" in res.stderr
+    assert not list(tmp_path.rglob("metrics.jsonl"))
+    res = fedsim("strategy.proximal_mu=0.1", cwd=tmp_path)
+    assert res.returncode == 2 and "try: fedsim strategy=fedprox strategy.proximal_mu=0.1" in res.stderr
