@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +23,7 @@ from strategy_helpers import server_identity
 from torch import nn
 
 from fedsim import keys
+from fedsim.config import FLOWER_ENV
 from fedsim.engines.pool import PoolGrid
 from fedsim.errors import ConfigError, RunError
 from fedsim.grid_utils import GridView, discover
@@ -669,3 +673,138 @@ def test_flowers_client_tracebacks_go_to_the_log_file_not_the_console(tmp_path, 
     text = path.read_text()
     assert "RayBackend" in text and "Missing key(s)" in text and "KeyError: 'lr'" in text
     assert f"3 log record(s) of client exceptions (tracebacks) are in {path}" in caplog.text
+
+
+# ---- the same apps through `flwr run`: a SuperLink and SuperNodes, or Flower's simulation runtime -----------
+FLOWER_COMMANDS = (
+    "flwr",
+    "flower-superlink",
+    "flower-supernode",
+    "flower-superexec",
+    "flwr-serverapp",
+    "flwr-clientapp",
+    "flwr-simulation",
+)
+
+
+def _flower_script(name: str) -> Path | None:
+    """Flower's console script ``name``: beside this interpreter, else beside the one it was made from."""
+    import shutil
+    import sys
+
+    for folder in (Path(sys.executable).parent, Path(sys.base_prefix) / "bin"):
+        if (folder / name).is_file():
+            return folder / name
+    found = shutil.which(name)
+    return Path(found) if found else None
+
+
+@pytest.fixture
+def flower_here(tmp_path, monkeypatch):
+    """Flower's commands on this interpreter (where fedsim is installed), first on PATH: the environment of a
+    user who installed fedsim beside Flower, whatever interpreter Flower's own scripts name."""
+    import sys
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in FLOWER_COMMANDS:
+        script = _flower_script(name)
+        if script is None:
+            pytest.skip(f"Flower's {name} command is not installed")
+        head, _, body = script.read_text().partition("\n")
+        if not head.startswith("#!") or "python" not in head:
+            pytest.skip(f"{script} is not a Python console script")
+        (folder / name).write_text(f"#!{sys.executable}\n{body}")
+        (folder / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    for key, value in FLOWER_ENV.items():
+        monkeypatch.setenv(key, value)
+    return folder
+
+
+def _run_overrides(app: str, extra: str) -> str:
+    """The app's own ``overrides`` plus ``extra`` (``--run-config overrides=...`` replaces the pyproject's)."""
+    return f"{_app_config(app)['config']['overrides']} {extra}"
+
+
+@pytest.mark.slow  # starts Flower's SuperLink, SuperExec and SuperNodes
+@pytest.mark.parametrize("app, nodes, rounds, per_round", [("quickstart", 3, 2, 3), ("pytorchapp", 4, 3, 2)])
+def test_the_stock_apps_train_under_fedsims_serverapp_through_flwr_run(
+    app, nodes, rounds, per_round, tmp_path, flower_here
+):
+    """`flwr run <app> <connection>` on a local SuperLink with SuperNodes that run Flower's own
+    ``flower-supernode``: the app's ClientApp, verbatim, and fedsim's ServerApp, with no glue module."""
+    from fedsim.deploy.launch import Federation, Security
+
+    out = tmp_path / "run"
+    extra = f"num_clients={nodes} quiet=true checkpoint_every=0 round_timeout=120" + (
+        f" clients_per_round={nodes}" if app == "quickstart" else ""
+    )
+    fed = Federation(
+        tmp_path / "work", Security(tls=False, auth=False), front="none", cwd=tmp_path, echo=lambda _: None
+    )
+    try:
+        fed.start_superlink(timeout=120)
+        for i in range(nodes):
+            fed.start_supernode(i, nodes, poll=0.25)
+        fed.wait_nodes_online(nodes, timeout=180)
+        run_id = fed.submit(FLOWER_APPS / app, {"overrides": _run_overrides(app, extra), "out-dir": str(out)})
+        status = fed.wait_run(run_id, 500, poll=1.0, done=(out / "summary.json").exists)
+        log_text = fed.run_log(run_id)
+    finally:
+        fed.stop()
+    assert status["status"] == "finished:completed", log_text[-3000:]
+    _check_trained(out, read_metrics(out), rounds=rounds, per_round=per_round, lr=0.01, epochs=1)
+    assert f"{nodes} node(s) run a ClientApp that is not fedsim's" in log_text
+    assert "Traceback" not in log_text  # the query the stock clients cannot answer is one warning line
+
+
+@pytest.mark.slow  # starts Flower's simulation SuperLink and Ray
+def test_the_quickstart_app_trains_under_fedsims_serverapp_in_flowers_simulation_runtime(
+    tmp_path, flower_here
+):
+    """`flwr run` on a SuperLink started with ``--simulation``: Flower's Simulation Runtime (Ray) runs the
+    quickstart app's ClientApp and fedsim's ServerApp, both with the app's run_config."""
+    from fedsim.deploy.launch import free_port, terminate, wait_for_superlink
+
+    port, home, out = free_port(), tmp_path / "flwr-home", tmp_path / "run"
+    home.mkdir()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "sim"\n\n[superlink.sim]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    env = {**os.environ, "FLWR_HOME": str(home)}
+    cmd = ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess"]
+    cmd += ["--disable-runtime-dependency-installation", "--host", "127.0.0.1", "--port", str(port)]
+    log_file = open(tmp_path / "superlink.log", "wb")
+    link = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        wait_for_superlink(f"127.0.0.1:{port}", 60, None, alive=lambda: link.poll() is None)
+        extra = "num_clients=3 clients_per_round=3 quiet=true checkpoint_every=0"
+        rc = f"overrides={json.dumps(_run_overrides('quickstart', extra))} out-dir={json.dumps(str(out))}"
+        fc = "num-supernodes=3 client-resources-num-cpus=1"
+        res = _flwr(
+            env, "run", str(FLOWER_APPS / "quickstart"), "sim", "--run-config", rc, "--federation-config", fc
+        )
+        run_id = int(res["run-id"])
+        status = {}
+        for _ in range(600):
+            status = _flwr(env, "ls", "sim", "--run-id", str(run_id))["runs"][0]
+            if status["status"].startswith("finished"):
+                break
+            time.sleep(1.0)
+    finally:
+        terminate([link.pid])
+        log_file.close()
+    assert status.get("status") == "finished:completed", status
+    _check_trained(out, read_metrics(out), rounds=2, per_round=3, lr=0.01, epochs=1)
+
+
+def _flwr(env: dict, *args: str) -> dict:
+    res = subprocess.run(
+        ["flwr", *args, "--format", "json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    out = json.loads(res.stdout[res.stdout.find("{") :])
+    assert out.get("success", False), out
+    return out
