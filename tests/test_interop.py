@@ -653,7 +653,9 @@ def test_flowers_client_tracebacks_go_to_the_log_file_not_the_console(tmp_path, 
     console: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: console.append(record.getMessage())
-    logging.getLogger("flwr").addHandler(handler)
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addHandler(handler)
+    level, flwr_logger.level = flwr_logger.level, logging.INFO  # other tests quiet Flower to ERROR
     path = tmp_path / "client_errors.log"
     try:
         with caplog.at_level(logging.WARNING, logger="fedsim"), client_tracebacks_to(path):
@@ -664,7 +666,8 @@ def test_flowers_client_tracebacks_go_to_the_log_file_not_the_console(tmp_path, 
             flwr_log(logging.INFO, "configure_train: Sampled 3 nodes (out of 3)")
         flwr_log(logging.ERROR, "Traceback (most recent call last): after the run")  # filter gone
     finally:
-        logging.getLogger("flwr").removeHandler(handler)
+        flwr_logger.removeHandler(handler)
+        flwr_logger.setLevel(level)
     assert console == [
         "ServerApp thread raised an exception",
         "configure_train: Sampled 3 nodes (out of 3)",
