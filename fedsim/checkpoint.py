@@ -221,7 +221,7 @@ def save(
     path: Path,
     state,
     strategy,
-    history: dict,
+    history: dict | list[dict],
     config: dict | None = None,
     clients: dict | None = None,
 ) -> None:
@@ -230,8 +230,11 @@ def save(
     ``history`` is what it keeps of metrics.jsonl (``fedsim.recorder.Recorder.history``: count, bytes and
     sha256 of the records up to its round). ``clients`` describes the clients' state saved beside it
     (``fedsim.algorithms.state.checkpoint``, with each file's sha256), which a resume then requires; None when
-    the clients keep no state.
+    the clients keep no state. A list of records (the form before format 5) is taken too: its history is
+    computed from them (the lines metrics.jsonl beside the checkpoint must then hold).
     """
+    if isinstance(history, list):
+        history = fields.history_of(history)
     atomic_torch_save(
         {
             "format": FORMAT,

@@ -155,6 +155,14 @@ def history_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def history_of(records: list[dict]) -> dict:
+    """The history a checkpoint keeps of ``records`` (``fedsim.recorder.Recorder.history`` computes the same
+    from the lines as it writes them)."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode()
+    last = records[-1]["round"] if records else None
+    return {"count": len(records), "bytes": len(data), "sha256": history_digest(data), "last_round": last}
+
+
 def read_history(hist: dict, folder: Path, rnd: int) -> list[dict]:
     """The records a checkpoint of format 5 was written after: the first ``hist["count"]`` lines of
     ``folder/metrics.jsonl``, which must have the byte length and sha256 it recorded.

@@ -255,7 +255,7 @@ class Recorder:
             count, size, digest = len(self.records), self._good, self._sha.hexdigest()
         else:
             kept = [r for r in self.records if r[schema.ROUND] <= up_to]
-            data = "".join(json.dumps(r) + "\n" for r in kept).encode()
+            data = "".join(json.dumps(r) + "\n" for r in kept).encode()  # as checkpoint_fields.history_of
             count, size, digest = len(kept), len(data), hashlib.sha256(data).hexdigest()
         last = self.records[count - 1][schema.ROUND] if count else None
         return {"count": count, "bytes": size, "sha256": digest, "last_round": last}

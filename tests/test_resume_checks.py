@@ -126,9 +126,10 @@ def _crafted(ckpt: dict, run: Path, kind: str) -> None:
     """Change one field of ``ckpt`` (or metrics.jsonl beside it) the way a crafted or damaged file would."""
     first = next(iter(ckpt["arrays"]))
     if kind == "bytes_in_records":  # a format-4 checkpoint, which held its records
-        ckpt.pop("history")
+        ckpt.pop("history", None)
         ckpt["format"] = 4
-        ckpt["records"] = [*read_metrics(run)[:-1], {"round": 2, "note": b"\x00\x01"}]
+        records = read_metrics(run)
+        ckpt["records"] = [*records[:-1], {**records[-1], "note": b"\x00\x01"}]
     elif kind == "round_-5":
         ckpt["round"] = -5
     elif kind == "round_true":
@@ -240,6 +241,9 @@ def test_the_checkpoint_keeps_the_historys_digest_not_the_history(tmp_path):
         assert sum(i.file_size for i in z.infolist() if i.filename.endswith("data.pkl")) < 4000
     ckpt = checkpoint.load(tmp_path / "b")
     assert ckpt["records"] == read_metrics(tmp_path / "b") and len(ckpt["records"]) == 3001
+    assert ckpt["history"] == checkpoint.fields.history_of(
+        ckpt["records"]
+    )  # the Recorder's digest: the lines'
     with open(
         tmp_path / "b" / "metrics.jsonl", "a"
     ) as f:  # lines a later round appended: not the checkpoint's
