@@ -261,3 +261,17 @@ def test_a_checkpoint_copied_without_its_metrics_is_refused_in_one_line(tmp_path
     (lonely / "metrics.jsonl").write_text((checkpointed / "metrics.jsonl").read_text()[:-40])
     with pytest.raises(ConfigError, match=r"metrics\.jsonl beside it holds \d+ bytes, fewer than"):
         checkpoint.load(lonely)
+
+
+@pytest.mark.slow
+def test_the_checkpoint_size_bench_prints_one_size_from_30_to_10000_rounds():
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "checkpoint_size.py"
+    res = subprocess.run(
+        [sys.executable, str(script), "--rounds", "30,10000", "--repeat", "1"], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [line.split() for line in res.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["30", "10000"] and rows[0][1] == rows[1][1], res.stdout
