@@ -2,7 +2,9 @@
 
 A checkpoint holds the global model, the round (or server model version) and simulated clock, the loop's
 extra state (e.g. the async loop's bookkeeping), the strategy's state (its ``state_dict()``: server-optimiser
-moments, momentum, buffers, clip norm, accountant) and the metrics recorded so far. Every random draw in fedsim
+moments, momentum, buffers, clip norm, accountant) and what it needs of the metrics recorded so far: their
+count and sha256, the records being in ``metrics.jsonl`` beside it (so the file is O(model + state) however
+long the run; :mod:`fedsim.checkpoint_fields`). Every random draw in fedsim
 is derived from ``(seed, purpose, round, client)`` rather than from a running generator, so no RNG stream needs
 saving beyond what strategies keep.
 
@@ -12,40 +14,51 @@ Everything in the file is plain data (numbers, strings, lists, dicts, tensors, n
 attributes (:func:`fedsim.strategies.base.plain_state`, so a user's strategy that counts rounds in an
 attribute keeps counting) and its ``state_dict()`` when it has one. Formats 1-3 pickled strategies without
 ``state_dict()``; those pickles are read by :class:`SafeUnpickler` as data (a class name and the attributes it
-would have had), calling nothing but constructors of plain data and importing nothing.
+would have had), calling nothing but constructors of plain data and importing nothing
+(:mod:`fedsim.safe_pickle`). :func:`load` checks every field before a resume adopts any of it.
 """
 
 from __future__ import annotations
 
-import _compat_pickle
-import builtins
 import copy
-import io
 import logging
 import pickle
 import re
 import shutil
-import sys
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
+from fedsim import checkpoint_fields as fields
 from fedsim.errors import ConfigError
 from fedsim.recorder import atomic_torch_save
+from fedsim.safe_pickle import (  # noqa: F401  (the safe reader's names, as before it had a file of its own)
+    _DTYPE_CODES,
+    SafeUnpickler,
+    UnsafePickle,
+    _first,
+    _multiarray,
+    _Record,
+    _Ref,
+    _StrategyPickleReader,
+    convert_inner_pickles,
+    safe_loads,
+    strategy_from_pickle,
+)
 from fedsim.strategies import base
 
 log = logging.getLogger("fedsim")
 
+# 5: no records, their count and digest (``history``) with the records in metrics.jsonl beside it;
 # 4: a strategy's plain-data attributes (``strategy_attrs``) and the clients' state it needs (``client_state``);
 # 3: plain data only (weights_only), a wrapped strategy without state_dict() pickled (``inner_pickle``);
 # 2: the strategy pickled (``strategy_pickle``) in ``fedsim.strategies``; 1: named ``strategies.*``
 # Pickles of formats 1-3 are read as data by SafeUnpickler (records=True), never as objects.
-FORMAT = 4
-READABLE = (1, 2, 3, 4)
+FORMAT = 5
+READABLE = (1, 2, 3, 4, 5)
 
 
 def _upgrade(node):
@@ -68,6 +81,7 @@ FREE_KEYS = (
     "stop_at_target",
     "round_timeout",
     "node_timeout",
+    "max_failed_rounds",
     "engine",
     "placement",
     "clipping.max_epsilon",
@@ -142,6 +156,19 @@ def check_rounds(ckpt: dict, num_rounds, where: str) -> None:
         )
 
 
+def check_model(ckpt: dict, reference: ArrayRecord, where: str) -> None:
+    """Raise ``ConfigError`` on ``resume`` when the checkpoint's model is not the configured one (``reference``):
+    other parameter names, shapes or dtypes."""
+    why = fields.check_model(ckpt["arrays"], reference)
+    if why:
+        raise ConfigError(
+            "resume",
+            where,
+            "a checkpoint of the configured model",
+            f"{why[:1].upper()}{why[1:]}; only resume from checkpoints fedsim wrote for this experiment.",
+        )
+
+
 def _strategy_fields(strategy, frozen: bool = False) -> dict:
     """The strategy as a checkpoint holds it: its ``state_dict()`` (``strategy_state``) and its plain-data
     attributes (``strategy_attrs``, :func:`fedsim.strategies.base.plain_state`). Nothing is pickled.
@@ -194,15 +221,20 @@ def save(
     path: Path,
     state,
     strategy,
-    records: list[dict],
+    history: dict | list[dict],
     config: dict | None = None,
     clients: dict | None = None,
 ) -> None:
     """Write a checkpoint of ``state``, ``strategy`` and the run's resolved ``config`` to ``path`` (temp + rename).
 
-    ``clients`` describes the clients' state saved beside it (``fedsim.algorithms.state.checkpoint``), which
-    a resume then requires; None when the clients keep no state.
+    ``history`` is what it keeps of metrics.jsonl (``fedsim.recorder.Recorder.history``: count, bytes and
+    sha256 of the records up to its round). ``clients`` describes the clients' state saved beside it
+    (``fedsim.algorithms.state.checkpoint``, with each file's sha256), which a resume then requires; None when
+    the clients keep no state. A list of records (the form before format 5) is taken too: its history is
+    computed from them (the lines metrics.jsonl beside the checkpoint must then hold).
     """
+    if isinstance(history, list):
+        history = fields.history_of(history)
     atomic_torch_save(
         {
             "format": FORMAT,
@@ -211,7 +243,7 @@ def save(
             "extra": _plain_extra(state.carried()),
             "arrays": state.arrays.to_torch_state_dict(),
             **_strategy_fields(strategy),
-            "records": records,
+            "history": history,
             "config": config,
             "client_state": clients,
         },
@@ -220,15 +252,6 @@ def save(
 
 
 # ---------------------------------------------------------------------------------------------- safe reading
-def _multiarray():
-    try:
-        from numpy._core import multiarray  # numpy 2
-    except ImportError:  # pragma: no cover  (numpy 1)
-        from numpy.core import multiarray
-    return multiarray
-
-
-_DTYPE_CODES = "?bhilqBHILQefdgFDG"  # bool, integers, floats, complex: no object, string or void arrays
 
 
 def _numpy_globals() -> list:
@@ -301,21 +324,31 @@ def load(path: str | Path) -> dict:
             f"a fedsim checkpoint of format {', '.join(map(str, READABLE))}",
             f"This file has format {ckpt['format']!r}: it was written by another fedsim version.",
         )
-    missing = [k for k in ("round", "sim_time", "arrays", "records") if k not in ckpt]
+    listed = "history" if ckpt["format"] >= 5 else "records"
+    missing = [k for k in ("round", "sim_time", "arrays", listed) if k not in ckpt]
     if missing:
         raise _unreadable(p, "a complete fedsim checkpoint", f"The file lacks {', '.join(missing)}.")
     if ckpt["format"] == 1:
         ckpt["config"] = _upgrade(ckpt.get("config"))
+    _check_content(p, ckpt)
+    if ckpt["format"] >= 5:
+        ckpt["records"] = _history(p, ckpt)
+    return ckpt
+
+
+def _check_content(p: Path, ckpt: dict) -> None:
+    """Every field of ``ckpt`` as fedsim writes it (:func:`fedsim.checkpoint_fields.check`), pickled strategies
+    of formats 1-3 read as data; ``ConfigError`` on ``resume`` naming the file and the first field that is not."""
     try:
         if ckpt.get("strategy_pickle") is not None:  # formats 1-2: read as data, never as objects
-            ckpt["strategy_attrs"] = _strategy_from_pickle(ckpt["strategy_pickle"])
+            ckpt["strategy_attrs"] = strategy_from_pickle(ckpt["strategy_pickle"])
         ckpt["strategy_pickle"] = None
-        _convert_inner_pickles(ckpt.get("strategy_state"))
+        convert_inner_pickles(ckpt.get("strategy_state"))
         if ckpt.get("strategy_attrs") is not None:
             base.check_plain_state(ckpt["strategy_attrs"])
         if ckpt.get("strategy_state") is not None and not isinstance(ckpt["strategy_state"], dict):
             raise ValueError("strategy_state is not a dict")
-        _check_clients(ckpt.get("client_state"))
+        fields.check(ckpt)
     except UnsafePickle as e:
         raise _unreadable(
             p,
@@ -324,23 +357,25 @@ def load(path: str | Path) -> dict:
         ) from None
     except ValueError as e:
         raise _unreadable(
-            p, "a fedsim checkpoint", f"The file is damaged or not a checkpoint ({e})."
+            p, "a fedsim checkpoint", f"The file is damaged or not a checkpoint ({_first(e)})."
         ) from None
-    return ckpt
 
 
-def _check_clients(clients) -> None:
-    if clients is None:
-        return
-    ok = isinstance(clients, dict) and isinstance(clients.get("round"), int)
-    ok = ok and isinstance(clients.get("files"), list) and all(isinstance(f, str) for f in clients["files"])
-    if not ok:
-        raise ValueError("client_state is not {'round': int, 'files': [str]}")
-
-
-def _first(e: BaseException) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    return (lines[0] if lines else type(e).__name__)[:200]
+def _history(p: Path, ckpt: dict) -> list[dict]:
+    """The records a checkpoint of format 5 was written after, from metrics.jsonl beside it (checked against
+    the count and digest it keeps)."""
+    try:
+        return fields.read_history(ckpt["history"], p.parent, ckpt["round"])
+    except fields.HistoryMismatch as e:
+        raise _unreadable(
+            p,
+            f"a checkpoint together with the {fields.HISTORY} it was written after",
+            f"{e}: resume from the run folder that holds both (copy {fields.HISTORY} with checkpoint.pt).",
+        ) from None
+    except ValueError as e:
+        raise _unreadable(
+            p, "a fedsim checkpoint", f"The records beside it are damaged ({_first(e)})."
+        ) from None
 
 
 def _unsafe_names(p: Path) -> str:
@@ -350,262 +385,6 @@ def _unsafe_names(p: Path) -> str:
         return "objects torch does not load as plain data"
     names = [n for n in names if not n.startswith("numpy")]
     return ", ".join(names[:5]) or "objects torch does not load as plain data"
-
-
-class UnsafePickle(pickle.UnpicklingError):
-    """A pickle that would call or rebuild something :class:`SafeUnpickler` does not allow."""
-
-
-class _Ref:
-    """A name a pickle refers to (``module.qualname``): never imported, never called."""
-
-    __slots__ = ("module", "name")
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __str__(self) -> str:
-        return f"{self.module}.{self.name}"
-
-
-class _Record:
-    """An object a pickle describes, kept as data: the name of its class and the state it would have had."""
-
-    __slots__ = ("cls", "state")
-
-    def __init__(self, cls: _Ref) -> None:
-        self.cls, self.state = cls, None
-
-
-def _reconstructor(cls, base_cls, state):
-    """``copyreg._reconstructor`` (protocols 0 and 1) of an object named by a :class:`_Ref`: a record, no call."""
-    if not isinstance(cls, _Ref) or base_cls is not object or state is not None:
-        raise UnsafePickle(f"a call of copyreg._reconstructor on {cls}")
-    return _Record(cls)
-
-
-def _latin1(text, encoding="latin1"):
-    """``_codecs.encode(text, "latin1")``: how protocols 0-2 write bytes."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise UnsafePickle("a call of _codecs.encode with other than (str, 'latin1')")
-    return text.encode("latin1")
-
-
-def _plain_dtype(*args):
-    dtype = np.dtype(*args)
-    if dtype.hasobject:
-        raise UnsafePickle(f"a numpy dtype of Python objects ({dtype})")
-    return dtype
-
-
-def _plain_reconstruct(cls, *args):
-    if cls is not np.ndarray:  # a subclass could run its own __setstate__ / __array_finalize__
-        raise UnsafePickle(f"a numpy array of type {getattr(cls, '__qualname__', cls)}")
-    return _multiarray()._reconstruct(cls, *args)
-
-
-def _plain_scalar(dtype, *args):
-    if not isinstance(dtype, np.dtype) or dtype.hasobject:
-        raise UnsafePickle(f"a numpy scalar of {dtype}")
-    return _multiarray().scalar(dtype, *args)
-
-
-def _safe_names() -> dict:
-    """The only callables a pickle may call: constructors of plain data, each checking its arguments."""
-    names = {
-        ("copyreg", "_reconstructor"): _reconstructor,
-        ("_codecs", "encode"): _latin1,
-        ("collections", "OrderedDict"): OrderedDict,
-        ("numpy", "dtype"): _plain_dtype,
-        ("numpy", "ndarray"): np.ndarray,  # named as _reconstruct's first argument
-    }
-    for mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        names[(mod, "_reconstruct")] = _plain_reconstruct
-        names[(mod, "scalar")] = _plain_scalar
-    for t in (type(np.dtype(c)) for c in _DTYPE_CODES):
-        names[("numpy.dtypes", t.__name__)] = t
-    for name in ("set", "frozenset", "complex", "bytearray", "bytes", "list", "tuple", "dict", "object"):
-        names[("builtins", name)] = getattr(builtins, name)
-    return names
-
-
-_SAFE: dict = {}
-
-
-def _safe() -> dict:
-    if not _SAFE:
-        _SAFE.update(_safe_names())
-    return _SAFE
-
-
-# Modules a pickled strategy never names (the standard library, numpy, torch, fedsim outside its strategies):
-# a pickle naming them is refused at once, even though names are never imported or called.
-_NEVER = frozenset(sys.stdlib_module_names) | {"numpy", "torch", "fedsim", "flwr", "_codecs", "copyreg"}
-_STRATEGY_HOMES = ("fedsim.strategies.", "flwr.serverapp.strategy.", "flwr.serverapp.")
-
-
-class SafeUnpickler(pickle._Unpickler):
-    """An unpickler that calls nothing but the plain-data constructors of :func:`_safe_names` (containers,
-    ``bytes``, numpy arrays, dtypes and scalars of numbers) and imports nothing.
-
-    ``REDUCE`` calls only those; ``OBJ``, ``INST``, ``EXT*`` and persistent references are refused outright;
-    ``BUILD`` sets state only on numpy arrays and dtypes (numpy's own ``__setstate__``, data only). With
-    ``records=True`` (a strategy pickled by checkpoint formats 1-3) a class the pickle names outside the
-    standard library, numpy and torch becomes an inert :class:`_Ref`; ``NEWOBJ`` / ``NEWOBJ_EX`` /
-    ``copyreg._reconstructor`` of it give a :class:`_Record` (its name and state as data), never an
-    instance: no class of the file is imported, constructed or given its state. Anything else raises
-    :class:`UnsafePickle` naming it, and nothing of the pickle has run.
-    """
-
-    records = False
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def find_class(self, module: str, name: str):
-        if self.proto < 3 and self.fix_imports:  # Python 2 names, as pickle's own find_class maps them
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            elif module in _compat_pickle.IMPORT_MAPPING:
-                module = _compat_pickle.IMPORT_MAPPING[module]
-        if module == "strategies" or module.startswith("strategies."):  # format 1: strategies.* -> fedsim.*
-            module = "fedsim." + module
-        safe = _safe()
-        if (module, name) in safe:
-            return safe[(module, name)]
-        named = all(part.isidentifier() for part in (*module.split("."), *name.split(".")))
-        top = module.split(".")[0]
-        home = (module + ".").startswith(_STRATEGY_HOMES) or top not in _NEVER
-        if not self.records or not named or name.startswith("_") or not home:
-            raise UnsafePickle(f"{module}.{name}")
-        return _Ref(module, name)
-
-    def persistent_load(self, pid):
-        raise UnsafePickle("a persistent reference")
-
-    def _refuse(self, what: str):
-        raise UnsafePickle(what)
-
-    def load_reduce(self):
-        args = self.stack.pop()
-        func = self.stack[-1]
-        if isinstance(func, _Ref) or not any(func is f for f in _safe().values()):
-            raise UnsafePickle(f"a call of {_name_of(func)}")
-        if not isinstance(args, tuple):
-            raise UnsafePickle(f"a call of {_name_of(func)} without an argument tuple")
-        self.stack[-1] = func(*args)
-
-    def load_newobj(self):
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self.append(self._record(cls, args, {}))
-
-    def load_newobj_ex(self):
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self.append(self._record(cls, args, kwargs))
-
-    def _record(self, cls, args, kwargs) -> _Record:
-        if not isinstance(cls, _Ref):
-            raise UnsafePickle(f"a construction of {_name_of(cls)}")
-        if args or kwargs:
-            raise UnsafePickle(f"a construction of {cls} with arguments")
-        return _Record(cls)
-
-    def load_obj(self):
-        items = self.pop_mark()
-        raise UnsafePickle(f"a call of {_name_of(items[0]) if items else 'an object'} (OBJ)")
-
-    def load_inst(self):
-        module = self.readline()[:-1].decode("ascii", "replace")
-        name = self.readline()[:-1].decode("ascii", "replace")
-        raise UnsafePickle(f"a call of {module}.{name} (INST)")
-
-    def load_ext(self):
-        raise UnsafePickle("an extension-registry reference")
-
-    def load_build(self):
-        state = self.stack.pop()
-        inst = self.stack[-1]
-        if isinstance(inst, _Record):
-            if inst.state is not None:
-                raise UnsafePickle(f"a second state for {inst.cls}")
-            inst.state = state
-        elif type(inst) is np.ndarray or isinstance(inst, np.dtype):
-            inst.__setstate__(state)  # numpy's own: shape, dtype and raw bytes
-            if inst.dtype.hasobject if isinstance(inst, np.ndarray) else inst.hasobject:
-                raise UnsafePickle("a numpy array or dtype of Python objects")
-        else:
-            raise UnsafePickle(f"a state set on {_name_of(type(inst))}")
-
-    dispatch[pickle.REDUCE[0]] = load_reduce
-    dispatch[pickle.NEWOBJ[0]] = load_newobj
-    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
-    dispatch[pickle.OBJ[0]] = load_obj
-    dispatch[pickle.INST[0]] = load_inst
-    dispatch[pickle.BUILD[0]] = load_build
-    for _op in (pickle.EXT1, pickle.EXT2, pickle.EXT4):
-        dispatch[_op[0]] = load_ext
-
-
-class _StrategyPickleReader(SafeUnpickler):
-    """:class:`SafeUnpickler` for the strategies that checkpoint formats 1-3 pickled: their objects as records."""
-
-    records = True
-
-
-def _name_of(obj) -> str:
-    if isinstance(obj, _Ref):
-        return str(obj)
-    return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
-
-
-def safe_loads(data: bytes):
-    """Unpickle plain data with :class:`SafeUnpickler` (``UnsafePickle`` when it would call anything else)."""
-    return SafeUnpickler(io.BytesIO(data)).load()
-
-
-def _plain_from_record(rec: _Record) -> dict:
-    """What :func:`fedsim.strategies.base.plain_state` would have kept of a strategy pickled by formats 1-3."""
-    state = rec.state
-    if isinstance(state, tuple) and len(state) == 2:  # (__dict__, slots)
-        state = {**(state[0] or {}), **(state[1] or {})}
-    attrs = {}
-    for name, value in (state or {}).items() if isinstance(state, dict) else ():
-        if not isinstance(name, str) or not name.isidentifier() or name.startswith("__"):
-            continue
-        if isinstance(value, _Record):
-            attrs[name] = ["strategy", _plain_from_record(value)]
-        elif base.is_plain(value):
-            attrs[name] = ["plain", value]
-    return {"class": str(rec.cls), "attrs": attrs}
-
-
-def _strategy_from_pickle(data) -> dict:
-    """A strategy pickled by formats 1-3, read as data (:class:`_StrategyPickleReader`), as plain attributes."""
-    if not isinstance(data, (bytes, bytearray)):
-        raise UnsafePickle(f"a strategy pickle that is not bytes ({type(data).__name__})")
-    try:
-        obj = _StrategyPickleReader(io.BytesIO(bytes(data))).load()
-    except UnsafePickle:
-        raise
-    except Exception as e:  # noqa: BLE001  (a damaged pickle: refused as such)
-        raise UnsafePickle(f"damaged strategy pickle ({_first(e)})") from None
-    if not isinstance(obj, _Record):
-        raise UnsafePickle(f"strategy pickle holding a {type(obj).__name__}, not a strategy")
-    return _plain_from_record(obj)
-
-
-def _convert_inner_pickles(node) -> None:
-    """Formats 2-3: a wrapper's ``inner_pickle`` (the wrapped strategy pickled) becomes ``inner_attrs``."""
-    if isinstance(node, dict):
-        if node.get("inner_pickle") is not None:
-            node["inner_attrs"] = _strategy_from_pickle(node["inner_pickle"])
-        node.pop("inner_pickle", None)
-        for v in node.values():
-            _convert_inner_pickles(v)
-    elif isinstance(node, (list, tuple)):
-        for v in node:
-            _convert_inner_pickles(v)
 
 
 def restore(ckpt: dict, state, strategy):
@@ -627,6 +406,21 @@ def restore(ckpt: dict, state, strategy):
     state.carry(ckpt.get("extra") or {})
     if ckpt.get("strategy_copy") is not None:  # a mark held in memory
         return copy.deepcopy(ckpt["strategy_copy"])
+    try:
+        _restore_strategy(ckpt, strategy)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise ConfigError(
+            "resume",
+            f"{type(strategy).__module__}.{type(strategy).__qualname__}",
+            "a checkpoint of the configured strategy",
+            f"Its strategy state does not fit ({_first(e)}); only resume from checkpoints fedsim wrote.",
+        ) from None
+    return strategy
+
+
+def _restore_strategy(ckpt: dict, strategy) -> None:
     if ckpt.get("strategy_attrs") is not None:
         base.load_plain_state(strategy, ckpt["strategy_attrs"])
     if ckpt.get("strategy_state") is not None:
@@ -639,7 +433,6 @@ def restore(ckpt: dict, state, strategy):
                 "Resume with the checkpointed run's overrides (its .hydra/overrides.yaml, less a <secret> noise seed: the checkpoint keeps it).",
             )
         strategy.load_state_dict(ckpt["strategy_state"])
-    return strategy
 
 
 def mark(state, strategy, loop_state=None) -> dict:

@@ -10,6 +10,7 @@ file and the cause (``the disk is full``, ``Read-only file system``, ...).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -192,6 +193,7 @@ class Recorder:
         except OSError as e:
             raise write_error(self.metrics_path, e) from None
         self._good = 0  # bytes of metrics.jsonl known to be whole lines
+        self._sha = hashlib.sha256()  # of those bytes (what a checkpoint keeps of them: history())
         self._rewrite()
         self.bar = None  # a progress bar with ETA (``progress=bar``, or ``auto`` on a terminal)
         if not quiet and (progress == "bar" or (progress == "auto" and sys.stderr.isatty())):
@@ -231,6 +233,7 @@ class Recorder:
                     os.ftruncate(self._fd, self._good)
             raise write_error(self.metrics_path, e) from None
         self._good += len(data)
+        self._sha.update(data)
 
     def _rewrite(self) -> None:
         """metrics.jsonl from scratch: one line per record so far."""
@@ -239,8 +242,23 @@ class Recorder:
                 os.ftruncate(self._fd, 0)
             except OSError as e:
                 raise write_error(self.metrics_path, e) from None
-        self._good = 0
+        self._good, self._sha = 0, hashlib.sha256()
         self._append("".join(json.dumps(r) + "\n" for r in self.records))
+
+    def history(self, up_to: int) -> dict:
+        """What a checkpoint of round ``up_to`` keeps of metrics.jsonl instead of its records: their ``count``,
+        ``bytes``, ``sha256`` and ``last_round`` (``fedsim.checkpoint_fields.read_history`` checks them).
+
+        O(1) when no record is past ``up_to`` (the digest is kept as the lines are written).
+        """
+        if not self.records or self.records[-1][schema.ROUND] <= up_to:
+            count, size, digest = len(self.records), self._good, self._sha.hexdigest()
+        else:
+            kept = [r for r in self.records if r[schema.ROUND] <= up_to]
+            data = "".join(json.dumps(r) + "\n" for r in kept).encode()  # as checkpoint_fields.history_of
+            count, size, digest = len(kept), len(data), hashlib.sha256(data).hexdigest()
+        last = self.records[count - 1][schema.ROUND] if count else None
+        return {"count": count, "bytes": size, "sha256": digest, "last_round": last}
 
     def truncate(self, last_round: int) -> None:
         """Forget the records after ``last_round`` (an interrupted or failed round) and rewrite metrics.jsonl."""

@@ -164,6 +164,35 @@ class TargetWatch:
             state.stop_reason = f"target {self.task.metric} {self.target} reached"
 
 
+class FailedRounds:
+    """Round hook: count consecutive rounds in which clients were asked to train and every one failed (no valid
+    reply, some failure); at ``limit`` of them (``max_failed_rounds``; 0: never) the run ends ``failed``.
+
+    Calling it with a round's record returns True once the limit is reached; ``why`` then says so in one line.
+    """
+
+    def __init__(self, limit) -> None:
+        self.limit, self.streak, self.kinds, self.why = int(limit or 0), 0, Counter(), None
+
+    def __call__(self, record: dict) -> bool:
+        if record.get(schema.ROUND, 0) < 1:
+            return False
+        if record.get(schema.NUM_CLIENTS) or not record.get(schema.FAILURES):
+            self.streak, self.kinds = 0, Counter()
+            return False
+        self.streak += 1
+        self.kinds.update(record.get(schema.FAILURE_KINDS) or {})
+        if not self.limit or self.streak < self.limit:
+            return False
+        kinds = ", ".join(f"{k}: {n}" for k, n in self.kinds.most_common())
+        first = record[schema.ROUND] - self.streak + 1
+        self.why = (
+            f"every client failed in {self.streak} consecutive rounds ({first}-{record[schema.ROUND]}; {kinds}), "
+            f"max_failed_rounds={self.limit}: the run stopped training; check the clients' log lines above"
+        )
+        return True
+
+
 class Run:
     """One experiment's run folder and the state of its loop (see the module docstring)."""
 
@@ -175,6 +204,7 @@ class Run:
         self.figures: FigureWorker | None = None  # the process drawing partitions.png and curves.png
         self.signal: int | None = None  # the signal that interrupted it
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
+        self.give_up = FailedRounds(exp.cfg.get("max_failed_rounds", 10))
         cfg = exp.cfg
         records: list[dict] = []
         lock_run_folder(out_dir)  # first: a folder another live run writes to is refused before any write
@@ -197,6 +227,9 @@ class Run:
                 task=exp.task,
                 progress=progress_mode(cfg.get("progress", "auto")),
             )
+            for r in records:  # a resumed run goes on counting the failed rounds it ended with
+                self.give_up(r)
+            self.give_up.why = None
             self.callbacks = Callbacks(exp.callbacks)
             self.callbacks.start(out_dir, exp.resolved, list(records))
             ds = exp.dataset  # real-valued targets are counted by decile
@@ -218,9 +251,17 @@ class Run:
         unlock_run_folder(self.out_dir)
 
     def _resume(self, path: str) -> list[dict]:
+        """Take the checkpoint at ``path``; return the records it was written after.
+
+        Everything is checked before anything in the run folder changes: every field of the checkpoint and the
+        records in metrics.jsonl beside it (:func:`fedsim.checkpoint.load`), the config, the model's names,
+        shapes and dtypes, the strategy's state, and each client-state file against its sha256; only then is
+        ``client_state/`` replaced (and, by the Recorder, metrics.jsonl rewritten). A refusal changes no file.
+        """
         ckpt = checkpoint.load(path)
         checkpoint.check_config(ckpt, self.exp.resolved, path)
         checkpoint.check_rounds(ckpt, self.exp.loop.num_rounds, path)
+        checkpoint.check_model(ckpt, self.state.arrays, path)
         self.strategy = checkpoint.restore(ckpt, self.state, self.strategy)
         where = Path(path).expanduser()
         try:
@@ -233,12 +274,18 @@ class Run:
                 stateful=build.client_algorithm(json.loads(self.exp.spec_json)).stateful,
             )
         except client_state.MissingState as e:
+            damaged = isinstance(e, client_state.DamagedState)
+            consequence = (
+                "no client's state was adopted. Resume from a run folder whose snapshot is whole"
+                if damaged
+                else "resuming would restart every client's state from zero. Resume from the run folder that "
+                f"holds both (copy {client_state.CHECKPOINT_DIR}/ with checkpoint.pt)"
+            )
             raise ConfigError(
                 "resume",
                 path,
-                "a checkpoint together with its clients' state",
-                f"{str(e)[:1].upper()}{str(e)[1:]}: resuming would restart every client's state from zero. Resume from "
-                f"the run folder that holds both (copy {client_state.CHECKPOINT_DIR}/ with checkpoint.pt).",
+                "a checkpoint together with its clients' state as it was written",
+                f"{str(e)[:1].upper()}{str(e)[1:]}: {consequence}.",
             ) from None
         if self.state.target_reached is not None and self.state.target_reached.target != self.watch.target:
             self.state.target_reached = None  # reached for another target
@@ -251,16 +298,19 @@ class Run:
         self.recorder.log(record)
         self.callbacks.round(self.recorder.records[-1])
         self.watch(record, state, self.recorder.records[-1][schema.WALL_TIME])
+        if self.give_up(record) and not state.stop_reason:
+            state.stop_reason = self.give_up.why
         last = self.exp.loop.num_rounds
         if self.every and state.round > 0 and (state.round % self.every == 0 or state.round == last):
             self.save_checkpoint()
 
     def save_checkpoint(self) -> None:
-        """checkpoint.pt of the current state and the records up to it."""
-        records = [r for r in self.recorder.records if r[schema.ROUND] <= self.state.round]
+        """checkpoint.pt of the current state, with the count and digest of the records up to it (which stay in
+        metrics.jsonl: the file does not grow with the run)."""
+        history = self.recorder.history(self.state.round)
         # one unit: the clients' state of the round first, then checkpoint.pt, and only then older snapshots go
         clients = client_state.checkpoint(self.out_dir, self.state.round)
-        checkpoint.save(self.ckpt_path, self.state, self.strategy, records, self.exp.resolved, clients)
+        checkpoint.save(self.ckpt_path, self.state, self.strategy, history, self.exp.resolved, clients)
         client_state.prune(self.out_dir, self.state.round)
         self.ckpt_round = self.state.round
 
@@ -413,7 +463,7 @@ class Run:
         then ends ``failed``); the plot is optional (a failure is a warning).
         """
         rec = self.recorder
-        if status in ("completed", "stopped") and (why := self.trained_nothing()):
+        if status in ("completed", "stopped") and (why := self.give_up.why or self.trained_nothing()):
             status, self.error = "failed", why
         problems = []
         if rec.records:

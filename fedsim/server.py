@@ -320,6 +320,9 @@ def _train_replies(
 
 def failure_fields(failures: list[tuple[str, str]], where: str, unit: str) -> dict:
     """``failures`` and ``failure_kinds`` for metrics.jsonl; logs one line per kind (``where: n unit(s) failed``)."""
+    lost = next((d for _, d in failures if "ClientStateError" in d), None)
+    if lost is not None:  # the run folder failed, not a client: the run cannot go on as it computes
+        raise RunError(f"{where}: {lost[max(0, lost.find('client state')) :].rstrip(chr(39) + '>')}")
     fields: dict = {schema.FAILURES: len(failures)}
     if failures:
         kinds = Counter(k for k, _ in failures)

@@ -116,6 +116,12 @@ def validate(cfg: DictConfig) -> None:
     number("node_timeout", cfg.get("node_timeout"), 0.0, lo_open=True, allow_none=True)
     integer("eval_every", cfg.get("eval_every"), 1)
     integer(
+        "max_failed_rounds",
+        cfg.get("max_failed_rounds", 10),
+        0,
+        what="an integer >= 0 (0: never end a run for failed rounds)",
+    )
+    integer(
         "checkpoint_every",
         cfg.get("checkpoint_every"),
         0,

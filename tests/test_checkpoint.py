@@ -1,5 +1,6 @@
 """Checkpoints: a run stopped after round k and resumed ends exactly like an uninterrupted one."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -7,6 +8,7 @@ import pytest
 import torch
 from helpers import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 
+from fedsim import checkpoint
 from fedsim.errors import ConfigError
 
 
@@ -71,7 +73,7 @@ def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     on_disk = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert on_disk["status"] == "interrupted"
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
-    assert ckpt["round"] == 2 and len(ckpt["records"]) == 3
+    assert ckpt["round"] == 2 and ckpt["history"]["count"] == 3 and "records" not in ckpt
     assert (tmp_path / "run" / "model.pt").exists() and (tmp_path / "run" / "curves.png").exists()
     monkeypatch.setattr(server, "_train_replies", original)
     resumed = run_tiny(tmp_path / "resumed", "num_rounds=5", f"resume={tmp_path / 'run'}")
@@ -140,7 +142,7 @@ def test_ctrl_c_anywhere_in_a_round_resumes_bit_identical(tmp_path, monkeypatch,
         summary = run_tiny(tmp_path / "part", *over)
     done = 0 if where == "round_1" else 2
     assert summary["status"] == "interrupted"
-    ckpt = torch.load(tmp_path / "part" / "checkpoint.pt", weights_only=False)
+    ckpt = checkpoint.load(tmp_path / "part")  # its records: the first lines of metrics.jsonl, checked
     assert ckpt["round"] == done and [r["round"] for r in ckpt["records"]] == list(range(done + 1))
     run_tiny(tmp_path / "resumed", *over, f"resume={tmp_path / 'part'}")
     assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
@@ -277,7 +279,9 @@ def test_the_old_snapshot_stays_until_the_new_checkpoint_is_in_place(tmp_path):
     run = tmp_path / "run"
     _client_files(run / cs.STATE_DIR, ["0-1.npz", "1-1.npz"])
     first = cs.checkpoint(run, 1)
-    assert first == {"round": 1, "files": ["0-1.npz", "1-1.npz"]}
+    snap = run / cs.CHECKPOINT_DIR / "round-1"
+    digests = {f: hashlib.sha256((snap / f).read_bytes()).hexdigest() for f in ["0-1.npz", "1-1.npz"]}
+    assert first == {"round": 1, "files": ["0-1.npz", "1-1.npz"], "sha256": digests}
     cs.prune(run, 1)
     _client_files(run / cs.STATE_DIR, ["0-4.npz", "1-4.npz"])
     cs.checkpoint(run, 4)  # killed here: checkpoint.pt of round 4 was never written
@@ -352,6 +356,9 @@ def test_a_kill_inside_the_checkpoint_window_resumes_every_clients_state(tmp_pat
     lonely = tmp_path / "lonely"
     lonely.mkdir()
     (lonely / "checkpoint.pt").write_bytes((part / "checkpoint.pt").read_bytes())
+    (lonely / "metrics.jsonl").write_bytes(
+        (part / "metrics.jsonl").read_bytes()
+    )  # its records, not its state
     with pytest.raises(ConfigError, match=r"^resume=.*clients' state of round 2 .* is missing") as e:
         run_tiny(tmp_path / "refused", *over, f"resume={lonely / 'checkpoint.pt'}")
     assert "\n" not in str(e.value)

@@ -1210,3 +1210,72 @@ def test_zero_attackers_warn_and_absurd_thread_counts_are_refused(caplog):
     ):
         Placement(threads_per_client=1000)
     assert Placement(threads_per_client=8).threads_per_client == 8
+
+
+# ------------------------------------------------------- a run that stops training does not claim success (issue 39)
+def _savez_fails_after(monkeypatch, calls: int) -> None:
+    """Client-state writes fail with EACCES after ``calls`` of them, as in a ``client_state/`` made read-only."""
+    from fedsim.algorithms import state as cs
+
+    real, n = cs.np.savez, [0]
+
+    def savez(f, *args, **kwargs):
+        n[0] += 1
+        if n[0] > calls:
+            raise PermissionError(13, "Permission denied", str(f))
+        return real(f, *args, **kwargs)
+
+    monkeypatch.setattr(cs.np, "savez", savez)
+
+
+def test_client_state_that_cannot_be_written_fails_the_run_not_a_client(tmp_path, monkeypatch):
+    """SCAFFOLD whose client_state/ stops taking writes in round 4: not 3 client failures a round and the
+    rounds after it skipped, ending `completed`; the run fails there in one line naming the file, with the
+    outputs of the 3 rounds done."""
+    _savez_fails_after(monkeypatch, 9)  # 3 clients a round: rounds 1-3 write
+    with pytest.raises(
+        RunError,
+        match=r"^round 4: client state .*client_state/\d+-4\.npz cannot be written \(Permission denied\)$",
+    ):
+        run_tiny(tmp_path, "strategy=scaffold", "num_rounds=8", "checkpoint_every=0")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_done"] == 3 and summary["total_failures"] == 0
+    assert "cannot be written" in summary["error"]
+
+
+def test_rounds_in_which_every_client_fails_end_the_run_failed(tmp_path, monkeypatch):
+    """Rounds 1-2 train; from round 3 every client's reply is an error: after max_failed_rounds=3 such rounds
+    the run stops (round 5), `failed`, the reason in one line; the rounds before it stay in the outputs."""
+    import fedsim.server as server
+
+    original, calls = server._train_replies, [0]
+
+    def fail_from_round_3(*args):
+        calls[0] += 1
+        if calls[0] < 3:
+            return original(*args)
+        return 0, [], [("error", "<class 'ValueError'>:<'boom'>")] * len(args[2])
+
+    monkeypatch.setattr(server, "_train_replies", fail_from_round_3)
+    with pytest.raises(
+        RunError, match=r"^every client failed in 3 consecutive rounds \(3-5; error: 9\), max_failed_rounds=3"
+    ):
+        run_tiny(tmp_path, "num_rounds=20", "max_failed_rounds=3", "checkpoint_every=0")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_done"] == 5
+    assert [r["num_clients"] for r in read_metrics(tmp_path)[1:]] == [3, 3, 0, 0, 0]
+    assert (
+        torch.load(tmp_path / "checkpoint.pt", weights_only=False)["round"] == 5
+    )  # resumable where it ended
+    calls[0] = 0  # the same failures with the check off (0): the run goes on to its last round
+    assert run_tiny(tmp_path / "off", "num_rounds=6", "max_failed_rounds=0")["rounds_done"] == 6
+
+
+def test_max_failed_rounds_takes_integers_from_0():
+    for bad, shown in (("-1", "-1"), ("1.5", "1.5"), ("x", "'x'")):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^max_failed_rounds={re.escape(shown)} is not allowed: expected an integer >= 0",
+        ):
+            validate(compose_cfg(f"max_failed_rounds={bad}"))
+    validate(compose_cfg("max_failed_rounds=0"))
