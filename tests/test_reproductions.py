@@ -1,4 +1,4 @@
-"""The result tables of docs/reproductions.md (and the README's copy of the DP table) are bench/reproduce.py's:
+"""The result tables of docs/reproductions.md (and docs/privacy.md's copy of the DP table) are bench/reproduce.py's:
 every table it generates has its markers in the documents, --write and --check replace and compare exactly
 what is between them, and (slow) fresh runs of the two smallest reproductions give the committed tables."""
 
