@@ -4,6 +4,7 @@ build of the whole site, API reference included."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -118,3 +119,74 @@ def test_the_site_builds_strictly_with_its_api_reference(tmp_path):
     assert 'id="fedsim.strategies.krum.Krum"' in reference  # the strategies/ folder under its import name
     errors = (tmp_path / "site" / "reference" / "errors" / "index.html").read_text()
     assert 'id="fedsim.errors.ConfigError"' in errors
+
+
+# ---------------------------------------------------------------- tables of figures written from recorded output
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_bench_table_in_the_docs_is_the_one_its_recorded_output_gives(capsys):
+    """``python bench/tables.py --check`` from the checkout: the recorded outputs are committed, nothing runs."""
+    tables = _bench_module("tables")
+    assert tables.write_or_check(sorted((ROOT / "docs").rglob("*.md")), check=True) == 0, capsys.readouterr()
+    performance = (ROOT / "docs" / "performance.md").read_text()
+    assert set(tables.blocks(performance)) == set(tables.TABLES)
+
+
+def test_the_parser_reads_back_every_number_bench_prints():
+    """bench.py's ``format_rows`` is the oracle: what it prints, parsed, gives its numbers at its precision."""
+    bench, tables = _bench_module("bench"), _bench_module("tables")
+    summary = {"wall": 12.345, "startup": 3.21, "round1": 1.5, "per_round": 0.0123, "peak_mb": 366.4}
+    rows = [
+        ("default", "auto", {**summary, "accuracy": 0.91357}),
+        ("default", "torch", {**summary, "per_round": 0.0246, "wall": 6.0, "accuracy": 0.9}),
+        ("default", "flower", {**summary, "per_round": None, "wall": 24.69, "accuracy": 0.9}),
+    ]
+    text = "\nheading line\n" + "\n".join(bench.format_rows(rows)) + "\n(default) plain torch / auto: 2.00\n"
+    run = tables.parse_bench(text)
+    assert run.heading == "heading line" and run.goals == ["(default) plain torch / auto: 2.00"]
+    assert [(sc, v) for sc, v, _ in run.rows] == [(sc, v) for sc, v, _ in rows]
+    auto, _, flower = (nums for _, _, nums in run.rows)
+    assert auto == [
+        12.35,
+        3.21,
+        1.5,
+        0.012,
+        366.0,
+        0.9136,
+        2.0,
+        0.49,
+        2.0,
+    ]  # torch/this, flower/this by bench
+    assert flower[3] is None and flower[6] is None and flower[8] == 1.0
+
+
+def test_write_replaces_only_between_markers_and_check_reports_a_difference(tmp_path, monkeypatch, capsys):
+    tables = _bench_module("tables")
+    monkeypatch.setattr(tables, "TABLES", {"t": lambda: "| a |\n|---|\n| 2 |"})
+    doc = tmp_path / "page.md"
+    doc.write_text("intro\n\n<!-- bench-table:t -->\n| a |\n|---|\n| 1 |\n<!-- /bench-table:t -->\n\nafter\n")
+    assert tables.write_or_check([doc], check=True) == 1
+    assert "-| 1 |" in capsys.readouterr().out
+    assert tables.write_or_check([doc], check=False) == 0
+    assert (
+        doc.read_text()
+        == "intro\n\n<!-- bench-table:t -->\n| a |\n|---|\n| 2 |\n<!-- /bench-table:t -->\n\nafter\n"
+    )
+    assert tables.write_or_check([doc], check=True) == 0
+    doc.write_text("<!-- bench-table:unknown -->\n<!-- /bench-table:unknown -->\n")
+    assert (
+        tables.write_or_check([doc], check=True) == 1
+    )  # a marker without a generator, a table without a page
+
+
+def test_save_records_what_the_benchmark_prints(tmp_path):
+    out = tmp_path / "run.txt"
+    code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import tables; tables.save({str(out)!r}); print('row 1')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout == "row 1\n" and out.read_text() == "row 1\n"
