@@ -123,11 +123,94 @@ def bench_table(source: str, name: str | None, scenario: str) -> str:
     return "\n".join(out)
 
 
+GPU_VARIANTS = {
+    "time-inprocess": "`engine=inprocess` (per client)",
+    "time-vectorized": "`engine=vectorized` (one batched model)",
+    "time-torch": "plain torch loop, same steps",
+}
+TARGET = re.compile(r"^\s+(.+?): (.+?)\s+([\d.]+) ms /\s+([\d.]+) ms =\s+([\d.]+)x(?: \((.*)\))?$")
+
+
+def gpu_part(source: str, number: int) -> tuple[str, list[str]]:
+    """The machine line and section ``number`` (its heading line first) of a recorded ``gpu_check.py`` output."""
+    lines = (RESULTS / source).read_text().splitlines()
+    machine = next(ln for ln in lines if ln.startswith("fedsim GPU check on "))
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"{number}. "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith("  ")), len(lines))
+    return machine, lines[start:end]
+
+
+def gpu_agreement_table(source: str) -> str:
+    """Section 1 of gpu_check.py: the engines' final models against each other, per check."""
+    machine, lines = gpu_part(source, 1)
+    out = [
+        f"From `bench/results/{source}`: {machine}",
+        "",
+        "| check | max abs diff | bound (rtol = atol) | clients batched | |",
+        "|---|---|---|---|---|",
+    ]
+    for ln in lines:
+        m = re.match(
+            r"\s+(\S+)\s+max abs diff (\S+) \(rtol = atol = (\S+)\), batched (\S+) clients: (\w+)", ln
+        )
+        if m:
+            out.append("| " + " | ".join(m.groups()) + " |")
+    return "\n".join(out)
+
+
+def gpu_timing_table(source: str) -> str:
+    """Section 3 of gpu_check.py: seconds per round, GPU use and memory of each variant."""
+    machine, lines = gpu_part(source, 3)
+    title, head, rows = lines[0].split(". ", 1)[1], lines[1], lines[2:]
+    busy = ["GPU busy", "GPU busy during rounds"] if "in rounds" in head else ["GPU busy"]
+    out = [
+        f"From `bench/results/{source}`: {machine}; {title}",
+        "",
+        "| variant | s per round | plain torch / this | "
+        + " | ".join(busy)
+        + " | GPU memory | peak RSS | batched |",
+        "|" + "---|" * (6 + len(busy)),
+    ]
+    for ln in rows:
+        cells, gpu_mb = ln[: ln.index("{")].split(), ln[ln.index("{") :]
+        name, rnd, ratio, *rest = cells
+        pct, (rss, batched) = rest[: len(busy)], rest[len(busy) :]
+        total_mb = sum(float(v) for v in re.findall(r": ([\d.]+)", gpu_mb))
+        out.append(
+            f"| {GPU_VARIANTS.get(name, name)} | {rnd} | {ratio} | "
+            + " | ".join(p.replace("%", " %") for p in pct)
+            + f" | {total_mb / 1000:.1f} GB | {float(rss) / 1000:.1f} GB | {batched} |"
+        )
+    return "\n".join(out)
+
+
+def gpu_targets_table(source: str) -> str:
+    """Section 4 of gpu_check.py: fedsim's round against the batched limits measured in the same run."""
+    machine, lines = gpu_part(source, 4)
+    out = [
+        f"From `bench/results/{source}`: {machine}",
+        "",
+        "| CIFAR-size CNN | a / b | a | b | a / b | goal |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ln in lines:
+        m = TARGET.match(ln)
+        if m:
+            what, compared, mine, limit, ratio, goal = m.groups()
+            out.append(
+                f"| {what} | {compared} | {float(mine):,.0f} ms | {float(limit):,.0f} ms | {ratio}x | {goal or '–'} |"
+            )
+    return "\n".join(out)
+
+
 # table name -> what writes it (each reads only files committed under bench/results/)
 TABLES: dict[str, Callable[[], str]] = {
     "default-idle": lambda: bench_table("bench_default_cpu_clock_stacked.txt", "after (3)", "default"),
     "default-busy": lambda: bench_table("bench_default_cpu_clock_stacked.txt", "after (3)", "default+busy"),
     "default-variants": lambda: bench_table("bench_default_cpu_clock.txt", None, "default"),
+    "gpu-agreement": lambda: gpu_agreement_table("gpu_check_h200.txt"),
+    "gpu-timing": lambda: gpu_timing_table("gpu_timing_h200.txt"),
+    "gpu-targets": lambda: gpu_targets_table("gpu_targets_h200.txt"),
 }
 
 
