@@ -203,11 +203,39 @@ def gpu_targets_table(source: str) -> str:
     return "\n".join(out)
 
 
+ASYNC_NAMES = {"fedavg": "FedAvg (sync)", "fedasync": "FedAsync", "fedbuff": "FedBuff"}
+
+
+def async_table(source: str) -> str:
+    """``bench/async_vs_sync.py``'s report: simulated seconds to the target per seed, the mean, against FedAvg."""
+    text = (RESULTS / source).read_text()
+    times: dict[str, dict[int, str]] = {}
+    for name, seed, sim_s in re.findall(r"^(\w+)\s+(\d+)\s+(\S+)\s+\d+$", text, re.M):
+        times.setdefault(name, {})[int(seed)] = "not reached" if sim_s == "None" else f"{float(sim_s):.2f}"
+    means = {n: float(m) for n, m in re.findall(r"^mean (\w+)\s+(\S+) s", text, re.M)}
+    seeds = sorted({s for per in times.values() for s in per})
+    comments = [ln[2:] for ln in text.splitlines() if ln.startswith("# ")]
+    out = [f"From `bench/results/{source}`: " + " ".join(comments), ""]
+    out += [
+        "| strategy | "
+        + " | ".join(f"seed {s}" for s in seeds)
+        + " | mean simulated s to target | vs FedAvg |"
+    ]
+    out += ["|" + "---|" * (len(seeds) + 3)]
+    for name, per in times.items():
+        m, base = means[name], means.get("fedavg")
+        vs = "1.00×" if name == "fedavg" else f"{base / m:.2f}× sooner" if base and m < float("inf") else "–"
+        cells = [per.get(s, "–") for s in seeds]
+        out.append(f"| {ASYNC_NAMES.get(name, name)} | " + " | ".join(cells) + f" | {m:.2f} | {vs} |")
+    return "\n".join(out)
+
+
 # table name -> what writes it (each reads only files committed under bench/results/)
 TABLES: dict[str, Callable[[], str]] = {
     "default-idle": lambda: bench_table("bench_default_cpu_clock_stacked.txt", "after (3)", "default"),
     "default-busy": lambda: bench_table("bench_default_cpu_clock_stacked.txt", "after (3)", "default+busy"),
     "default-variants": lambda: bench_table("bench_default_cpu_clock.txt", None, "default"),
+    "async-vs-sync": lambda: async_table("async_vs_sync.txt"),
     "gpu-agreement": lambda: gpu_agreement_table("gpu_check_h200.txt"),
     "gpu-timing": lambda: gpu_timing_table("gpu_timing_h200.txt"),
     "gpu-targets": lambda: gpu_targets_table("gpu_targets_h200.txt"),

@@ -193,3 +193,23 @@ def test_save_records_what_the_benchmark_prints(tmp_path):
     code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import tables; tables.save({str(out)!r}); print('row 1')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert proc.stdout == "row 1\n" and out.read_text() == "row 1\n"
+
+
+def test_the_async_table_is_what_async_vs_sync_reports(tmp_path, monkeypatch, capsys):
+    """async_vs_sync.py's own report (the oracle) for made-up runs, parsed back into the table."""
+    avs, tables = _bench_module("async_vs_sync"), _bench_module("tables")
+
+    def run(seed, t, rounds):
+        recs = [{"round": 1, "sim_time": 1.0, "eval_accuracy": 0.5}]
+        return ({"target_sim_time": t, "config": {"seed": seed}, "rounds_done": rounds}, recs)
+
+    runs = {"fedavg": [run(0, 8.0, 60), run(1, 4.0, 60)], "fedbuff": [run(0, 2.0, 300), run(1, 4.0, 280)]}
+    avs.report(runs, tmp_path / "plot.png")
+    (tmp_path / "async.txt").write_text("# made-up runs\n" + capsys.readouterr().out)
+    monkeypatch.setattr(tables, "RESULTS", tmp_path)
+    assert tables.async_table("async.txt").splitlines()[2:] == [
+        "| strategy | seed 0 | seed 1 | mean simulated s to target | vs FedAvg |",
+        "|---|---|---|---|---|",
+        "| FedAvg (sync) | 8.00 | 4.00 | 6.00 | 1.00× |",
+        "| FedBuff | 2.00 | 4.00 | 3.00 | 2.00× sooner |",
+    ]
