@@ -597,11 +597,18 @@ def main() -> None:
         help="round times in wall seconds, or CPU seconds of the round's thread (steadier on a shared machine)",
     )
     ap.add_argument("--child")
+    ap.add_argument(
+        "--save", help="also write the output to this file (bench/tables.py makes docs tables from it)"
+    )
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.rounds)))
         return
     ENV["BENCH_CLOCK"] = args.clock
+    if args.save:  # bench/tables.py writes the docs' tables from such a file
+        import tables
+
+        tables.save(args.save)
     before = machine_line()
     loads = args.load.split(",")
     runs: dict[tuple[str, str], list[dict]] = {(ld, v): [] for ld in loads for v in args.variants.split(",")}

@@ -1,5 +1,6 @@
 """Run the paper reproductions of docs/reproductions.md and write (or check) its tables from the runs.
 
+    python bench/reproduce.py --only fedavg_digits --check            # fresh runs in a temporary folder
     python bench/reproduce.py --out repro_runs                        # run every sweep, print the tables
     python bench/reproduce.py --out repro_runs --only fedprox --write # run one reproduction, rewrite its tables
     python bench/reproduce.py --out repro_runs --no-run --write       # tables from sweeps already in --out
@@ -32,6 +33,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +43,11 @@ from fedsim.config import FLOWER_ENV
 
 ENV = dict(FLOWER_ENV)
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = (ROOT / "docs" / "reproductions.md", ROOT / "README.md")
+DOCS = (ROOT / "docs" / "reproductions.md", ROOT / "docs" / "privacy.md")
+NO_RUN_WITHOUT_OUT = (
+    "reproduce: --no-run reads sweeps an earlier run left in --out DIR: give --out DIR, or check with fresh runs "
+    "(python bench/reproduce.py --only fedavg_digits --check)"
+)
 
 # McMahan et al. 2017 (arXiv 1602.05629), Table 2, MNIST CNN, rounds to 99 % test accuracy:
 # (E, B) -> (IID, pathological non-IID); FedSGD is E = 1, B = inf ("inf").
@@ -192,7 +198,7 @@ def _reproductions() -> dict[str, Reproduction]:
                     "clipping.noise_seed=1 clipping.debug_noise_seed=true",
                 ),
             ],
-            {"dp": dp_table, "readme_dp": readme_dp_table},
+            {"dp": dp_table, "privacy_dp": privacy_dp_table},
             "Fashion-MNIST",
         ),
         "client_drift": Reproduction(
@@ -569,8 +575,8 @@ def dp_table(out: Path) -> str:
     return "\n".join(lines)
 
 
-def readme_dp_table(out: Path) -> str:
-    """The README's shorter copy of dp_table (Privacy section)."""
+def privacy_dp_table(out: Path) -> str:
+    """The shorter copy of dp_table on docs/privacy.md."""
     lines = [
         "| z | sampling | final accuracy | ε, fedsim (RDP) | ε, dp-accounting directly (RDP) | ε, directly (PLD) |",
         "|---|---|---|---|---|---|",
@@ -1054,7 +1060,11 @@ def write_or_check(new: dict[tuple[str, str], str], docs: list[Path], check: boo
 def main() -> None:
     reps = _reproductions()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="folder for the sweeps (outside the repository)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="folder for the sweeps, outside the repository (default: a temporary folder, removed at the end)",
+    )
     ap.add_argument("--only", choices=sorted(reps), action="append", help="only these reproductions")
     ap.add_argument("--no-run", action="store_true", help="only read sweeps already in --out")
     ap.add_argument("--write", action="store_true", help="replace the generated tables in the documents")
@@ -1063,23 +1073,37 @@ def main() -> None:
         "--doc",
         type=Path,
         action="append",
-        help="documents with the tables (default: docs/reproductions.md and README.md)",
+        help="documents with the tables (default: docs/reproductions.md and docs/privacy.md)",
     )
     ap.add_argument("--figures", type=Path, help="also draw the figures into this folder")
     a = ap.parse_args()
+    if a.out is None and a.no_run:
+        print(NO_RUN_WITHOUT_OUT, file=sys.stderr)
+        sys.exit(2)
+    with tempfile.TemporaryDirectory(prefix="reproduce-") as tmp:
+        sys.exit(run(a, reps, a.out or Path(tmp)))
+
+
+def run(a: argparse.Namespace, reps: dict, out: Path) -> int:
+    """Run the chosen sweeps into ``out`` (unless --no-run), then print, write or check their tables."""
     chosen = a.only or list(reps)
     if not a.no_run:
         for rep in chosen:
             for name, args in reps[rep].sweeps:
-                wall, cpu = run_sweep(a.out, name, args)
+                wall, cpu = run_sweep(out, name, args)
                 print(f"{name}: {wall:.0f} s wall, {cpu:.0f} s CPU", flush=True)
-    new = generate(a.out, chosen)
+    try:
+        new = generate(out, chosen)
+    except FileNotFoundError as e:  # --no-run on a folder without these sweeps
+        print(f"reproduce: {e}", file=sys.stderr)
+        return 2
     if a.figures:
-        figures(a.out, a.figures)
+        figures(out, a.figures)
     if a.write or a.check:
-        sys.exit(write_or_check(new, a.doc or list(DOCS), a.check))
+        return write_or_check(new, a.doc or list(DOCS), a.check)
     for (kind, name), text in new.items():
         print(f"\n## {name}\n\n{text}" if kind == "reproduce" else f"\n{text}")
+    return 0
 
 
 if __name__ == "__main__":

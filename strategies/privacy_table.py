@@ -1,7 +1,7 @@
-"""The README's privacy table, generated from the components' declarations (``fedsim.strategies.composition``).
+"""docs/privacy.md's privacy table, generated from the components' declarations (``fedsim.strategies.composition``).
 
 python -m fedsim.strategies.privacy_table             # print it
-python -m fedsim.strategies.privacy_table README.md   # rewrite it between its markers
+python -m fedsim.strategies.privacy_table docs/privacy.md   # rewrite it between its markers
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _verdict(refusal: list[Release], covered: str) -> str:
 
 
 def privacy_table() -> str:
-    """The README's privacy table (markdown): per strategy and client algorithm, what clipping and DP do."""
+    """docs/privacy.md's table (markdown): per strategy and client algorithm, what clipping and DP do."""
     privatises = frozenset(ClippingWrapper.privatises)
     rows = [
         "| component | releases (a strategy to its clients; a client algorithm to the server) | `clipping=fixed` "
@@ -77,7 +77,7 @@ def readme_table(readme: str) -> str:
 
 
 def write_readme(path: Any) -> bool:
-    """Put the generated table into the README at ``path``; True when it changed."""
+    """Put the generated table into the document at ``path``; True when it changed."""
     path = Path(path)
     text = path.read_text()
     old = readme_table(text)
@@ -90,7 +90,7 @@ def write_readme(path: Any) -> bool:
 
 if (
     __name__ == "__main__"
-):  # python -m fedsim.strategies.privacy_table [README.md]: print or rewrite the table
+):  # python -m fedsim.strategies.privacy_table [docs/privacy.md]: print or rewrite the table
     import sys
 
     if len(sys.argv) > 1:

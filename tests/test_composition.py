@@ -1,5 +1,5 @@
 """Every strategy under clipping and under DP either runs or is refused in one line, from what each component
-declares it releases (``fedsim.strategies.composition``); the README's privacy table is the generated one.
+declares it releases (``fedsim.strategies.composition``); docs/privacy.md's table is the generated one.
 
 The expected verdicts are written out by hand here (``DP_REFUSED``), independently of the declarations, so a
 declaration that changes a verdict fails a test.
@@ -156,8 +156,8 @@ def test_fednova_refuses_local_optimisers_its_normaliser_does_not_model(optimize
     assert build("strategy=fedavg", f"client.optimizer={optimizer}") is None  # FedAvg assumes nothing
 
 
-def test_the_readme_privacy_table_is_the_generated_one():
-    readme = (ROOT / "README.md").read_text()
+def test_the_privacy_pages_table_is_the_generated_one():
+    readme = (ROOT / "docs" / "privacy.md").read_text()
     assert privacy_table.readme_table(readme) == privacy_table.privacy_table()
     table = privacy_table.privacy_table()
     for strategy in STRATEGIES:  # one row per shipped strategy, with the hand-written verdict

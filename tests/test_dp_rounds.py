@@ -197,8 +197,8 @@ def test_a_run_whose_every_reply_fails_is_noised_with_dp_and_keeps_its_model_wit
             assert all(r.get("skipped") for r in recs[1:]) and len(set(losses)) == 1
 
 
-def test_the_readme_names_every_field_a_dp_run_writes_outside_the_guarantee():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_the_privacy_page_names_every_field_a_dp_run_writes_outside_the_guarantee():
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "privacy.md").read_text()
     section = readme[readme.index("- **Not covered**") : readme.index("Covered, as post-processing")]
     missing = [f for f in schema.DP_NOT_COVERED if f"`{f}`" not in section]
     assert not missing, missing

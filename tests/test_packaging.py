@@ -115,15 +115,15 @@ def test_the_app_bundle_holds_every_file_the_apps_run_and_nothing_else():
     assert "LICENSE" in names
 
 
-def test_the_readmes_layout_names_every_module_script_and_notebook():
-    """README's Layout section names every module of fedsim/ and strategies/ (subpackages as ``name/``), every
-    bench script and every notebook, so a module added without a word in the docs fails here."""
+def test_the_layout_page_names_every_module_script_and_notebook():
+    """docs/layout.md names every module of fedsim/ and strategies/ (subpackages as ``name/``), every bench
+    script and every notebook, so a module added without a word in the docs fails here."""
     import re
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "README.md").read_text()
-    block = text[text.index("## Layout\n\n```\n") :]
-    block = block[: block.index("```\n", 15)]
+    text = (root / "docs" / "layout.md").read_text()
+    block = text[text.index("```\n") :]
+    block = block[: block.index("```\n", 4)]
     words = set(re.findall(r"[A-Za-z0-9_]+(?:\.py)?/?", block))
     missing = []
     for folder in ("fedsim", "strategies"):
@@ -137,4 +137,4 @@ def test_the_readmes_layout_names_every_module_script_and_notebook():
     missing += [
         f"notebooks/{p.stem}" for p in sorted((root / "notebooks").glob("*.ipynb")) if p.stem not in words
     ]
-    assert not sorted(set(missing)), f"README Layout does not name: {sorted(set(missing))}"
+    assert not sorted(set(missing)), f"docs/layout.md does not name: {sorted(set(missing))}"

@@ -128,7 +128,7 @@ def test_poisson_cohorts_vary_and_every_round_is_released_with_noise_and_charged
         direct_epsilon("poisson", "rdp", n, m, 1.0, 1e-5, rounds)
     )
     assert summary["rounds_accounted"] == rounds and summary["status"] == "completed"
-    # every field written is either a private release or on the README's "not covered" list
+    # every field written is either a private release or on docs/privacy.md's "not covered" list
     written = set().union(*[set(r) for r in records])
     assert written <= set(schema.DP_COVERED) | set(schema.DP_NOT_COVERED), written
 

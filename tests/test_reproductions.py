@@ -1,4 +1,4 @@
-"""The result tables of docs/reproductions.md (and the README's copy of the DP table) are bench/reproduce.py's:
+"""The result tables of docs/reproductions.md (and docs/privacy.md's copy of the DP table) are bench/reproduce.py's:
 every table it generates has its markers in the documents, --write and --check replace and compare exactly
 what is between them, and (slow) fresh runs of the two smallest reproductions give the committed tables."""
 
@@ -59,11 +59,38 @@ def test_write_replaces_between_the_markers_and_check_reports_a_difference(tmp_p
     assert r.write_or_check({("reproduce", "missing"): "| b |"}, [doc], check=True) == 1
 
 
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "reproduce.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_a_check_without_runs_is_one_line_naming_what_it_needs(tmp_path):
+    """``--no-run --check`` reads sweeps an earlier ``--out DIR`` left: without --out, or with a folder that holds
+    none, it stops with one line (exit 2) that says what to give, and no traceback."""
+    proc = _script("--no-run", "--check")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "--out DIR" in line and "reproduce.py --only fedavg_digits --check" in line, (
+        line
+    )
+    proc = _script("--out", str(tmp_path), "--no-run", "--check", "--only", "fedavg_digits")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    line = proc.stderr.strip()  # the first sweep of fedavg_digits, named with its folder
+    assert "\n" not in line and line.startswith(f"reproduce: no finished runs in {tmp_path}/"), line
+    assert line.endswith("(run the sweep, or drop --no-run)"), line
+
+
 @pytest.mark.slow  # reruns the sweeps of the two smallest reproductions (about 70 s of CPU)
-def test_small_reproductions_give_the_committed_tables(tmp_path):
+def test_small_reproductions_give_the_committed_tables():
+    """The documented check from a clean checkout: no --out, the sweeps run in a temporary folder."""
     only = [arg for name in SMALL for arg in ("--only", name)]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "reproduce.py"), "--out", str(tmp_path), "--check", *only],
+        [sys.executable, str(ROOT / "bench" / "reproduce.py"), "--check", *only],
         capture_output=True,
         text=True,
         timeout=900,
