@@ -850,7 +850,7 @@ def fed(tmp_path_factory):
             key = make_node_key(root / name / "key")
             f.outsiders[name] = f.register(bound, Path(f"{key}.pub"), name=name)
         # nodes 0 and 1 fork their ClientApps from a warm process, node 0 polls every 0.25 s
-        # (fedsim.deploy.node); node 2 is Flower's stock command
+        # (fedsim.deploy.node); node 2 keeps Flower's own loop and SuperExec
         for i in range(N):
             data = str(root / "node2-data") if i == 2 else None
             f.start_supernode(i, N, data_dir=data, warm=i != 2, poll=0.25 if i == 0 else None)
@@ -1579,7 +1579,9 @@ def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(c
     assert main([*argv, "--num-partitions", "2", "--dry-run", "--port", "9555"]) == 0
     warm, node = (shlex.split(x[2:]) for x in capsys.readouterr().out.splitlines()[-2:])
     assert warm[1:3] == ["-m", "fedsim.deploy.warm"] and "127.0.0.1:9555" in warm
-    assert node[0] == "flower-supernode" and node[node.index("--isolation") + 1] == "process"
+    assert (
+        node[1:4] == ["-m", "fedsim.deploy.node", "--"] and node[node.index("--isolation") + 1] == "process"
+    )
     secret = "--superexec-auth-secret-file"
     assert warm[warm.index(secret) + 1] == node[node.index(secret) + 1]  # the node lets only its warm one in
     assert str(os.getpid()) == warm[warm.index("--parent-pid") + 1]  # the pid that waits for the SuperNode
@@ -1591,7 +1593,7 @@ def test_supernode_forks_its_clientapps_from_a_warm_process_unless_told_not_to(c
     assert node[1:6] == ["-m", "fedsim.deploy.node", "--poll", "0.25", "--"] and node[6] == "--superlink"
     assert main([*argv, "--num-partitions", "2", "--dry-run", "--no-warm", "--node-poll", "3"]) == 0
     node = shlex.split(capsys.readouterr().out.splitlines()[-1][2:])
-    assert node[0] == "flower-supernode"  # Flower's own poll: Flower's own command
+    assert node[1:4] == ["-m", "fedsim.deploy.node", "--"]  # Flower's own poll: Flower's loop, supervised
     with pytest.raises(SystemExit):
         main([*argv, "--num-partitions", "2", "--dry-run", "--node-poll", "0"])
     assert "expected seconds in [0.01, 60]" in capsys.readouterr().err
@@ -1608,8 +1610,8 @@ def test_local_federations_poll_fast_by_default_and_remote_nodes_keep_flowers_po
     sec = Security(tls=False, auth=False, certs=None)
     fast = supernode_command("h:1", 9, 0, 2, sec, poll=LOCAL_NODE_POLL)
     assert fast[1:5] == ["-m", "fedsim.deploy.node", "--poll", f"{LOCAL_NODE_POLL:g}"]
-    for poll in (None, 3.0):
-        assert supernode_command("h:1", 9, 0, 2, sec, poll=poll)[0] == "flower-supernode"
+    for poll in (None, 3.0):  # Flower's own loop, still supervised by fedsim.deploy.node
+        assert supernode_command("h:1", 9, 0, 2, sec, poll=poll)[1:4] == ["-m", "fedsim.deploy.node", "--"]
 
 
 def test_the_node_poll_scales_only_the_sleeps_of_flowers_supernode_loop(monkeypatch):
@@ -1684,3 +1686,30 @@ def test_local_command_runs_warm_fast_polling_nodes_and_leaves_nothing_running(t
         except OSError:
             pass
     assert not left, f"processes left running: {left}"
+
+
+def test_a_supernode_whose_connection_ends_exits_nonzero_with_one_line(tmp_path):
+    """Flower 1.42's SuperNode gives up at once on an error naming SSL (a connection cut during the
+    handshake: ``SSL: UNEXPECTED_EOF``); its ``flower_supernode()`` then returns, and the thread of its Runtime
+    API server kept the process alive and silent. Through ``fedsim.deploy.node`` the process ends, status
+    ``EXIT_CONNECTION_LOST``, with one line. Oracle: a stand-in for ``flower_supernode`` that returns while a
+    non-daemon thread (like uvicorn's) still runs: without the supervision the process would not end."""
+    from fedsim.deploy.node import EXIT_CONNECTION_LOST
+
+    script = tmp_path / "node.py"
+    script.write_text(
+        "import importlib, threading, sys\n"
+        "f = importlib.import_module('flwr.supernode.cli.flower_supernode')  # the module\n"
+        "def fake():\n"
+        "    threading.Thread(target=threading.Event().wait).start()  # a Runtime API server that never stops\n"
+        "    print('ERROR :  [SSL: UNEXPECTED_EOF_WHILE_READING]', file=sys.stderr)\n"
+        "f.flower_supernode = fake\n"
+        "from fedsim.deploy.node import main\n"
+        "main(['--', '--superlink', '127.0.0.1:9', '--insecure'])\n"
+    )
+    env = {**os.environ, **FLOWER_ENV}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == EXIT_CONNECTION_LOST, done
+    ours = [ln for ln in done.stderr.splitlines() if ln.startswith("fedsim SuperNode")]
+    assert len(ours) == 1 and "connection to the SuperLink ended" in ours[0], done.stderr
+    assert "Traceback" not in done.stderr

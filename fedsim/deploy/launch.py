@@ -234,27 +234,21 @@ def supernode_command(
     warm_secret: Path | None = None,
     poll: float | None = None,
 ) -> list[str]:
-    """``flower-supernode`` for one node; ``port`` is its own Runtime API port (unique per host).
+    """Flower's SuperNode command for one node, run through :mod:`fedsim.deploy.node` (which ends the process
+    when its connection to the SuperLink ends); ``port`` is its own Runtime API port (unique per host).
 
     ``ca`` overrides ``sec.ca`` (the CA certificate that signed the SuperLink's certificate). ``warm_secret``:
     the node runs with ``--isolation process`` and leaves its ClientApps to ``warm_command``'s process,
     which proves this shared secret. ``poll``: the node's idle poll in seconds, through
-    :mod:`fedsim.deploy.node` (``None`` or Flower's own 3 s: Flower's own command).
+    :mod:`fedsim.deploy.node` (``None`` or Flower's own 3 s: Flower's own loop, unscaled).
     """
     from fedsim.deploy.node import FLOWER_IDLE_POLL
 
-    cmd = ["flower-supernode", "--superlink", superlink]
+    # always through fedsim.deploy.node: a SuperNode whose connection ends exits (Flower's stays alive, silent)
+    cmd = [sys.executable, "-m", "fedsim.deploy.node"]
     if poll is not None and poll != FLOWER_IDLE_POLL:
-        cmd = [
-            sys.executable,
-            "-m",
-            "fedsim.deploy.node",
-            "--poll",
-            f"{poll:g}",
-            "--",
-            "--superlink",
-            superlink,
-        ]
+        cmd += ["--poll", f"{poll:g}"]
+    cmd += ["--", "--superlink", superlink]
     if warm_secret is not None:
         cmd += ["--isolation", "process", "--superexec-auth-secret-file", str(warm_secret)]
     cmd += ["--root-certificates", str(ca or sec.ca)] if sec.tls else ["--insecure"]
