@@ -612,9 +612,14 @@ def test_nginx_accepts_the_generated_front_configuration(tmp_path):
 
     c = make_certs(tmp_path / "c", nodes=0)
     name = loopback_name(c / "server.pem")
-    for tls in (None, (c / "server.pem", c / "server.key", c / "ca.crt", name)):
+    cases = [
+        (tls, stream)
+        for tls in (None, (c / "server.pem", c / "server.key", c / "ca.crt", name))
+        for stream in {None, front.nginx_stream_module()}
+    ]
+    for tls, stream in cases:
         conf = tmp_path / "nginx.conf"
-        conf.write_text(front.nginx_conf("127.0.0.1", 9, 10, tmp_path, tmp_path, tls))
+        conf.write_text(front.nginx_conf("127.0.0.1", 9, 10, tmp_path, tmp_path, tls, stream=stream))
         res = subprocess.run(
             [front_nginx(), "-t", "-q", "-c", str(conf), "-p", str(tmp_path), "-e", str(tmp_path / "e.log")],
             capture_output=True,

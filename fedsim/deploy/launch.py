@@ -549,9 +549,16 @@ class Federation:
         prefix.mkdir(exist_ok=True)
         tls = (c / SERVER_CERT, c / SERVER_KEY, c / CA_CERT, tls_name) if c is not None else None
         conf = prefix / "nginx.conf"
+        stream = front_mod.nginx_stream_module(nginx)
+        if stream is None:
+            self.echo(
+                "# nginx has no stream module (Debian: apt-get install libnginx-mod-stream): connections are "
+                "capped per address only once their headers are in"
+            )
+        (prefix / "front.sock").unlink(missing_ok=True)  # left by an nginx that was killed
         conf.write_text(
             front_mod.nginx_conf(
-                self.host, self.port, self.internal_port, prefix, self.logs, tls, self.limits
+                self.host, self.port, self.internal_port, prefix, self.logs, tls, self.limits, stream
             )
         )
         cmd = [nginx, "-c", str(conf), "-p", str(prefix), "-e", str(self.logs / "front-error.log")]
