@@ -841,7 +841,7 @@ def fed(tmp_path_factory):
     save_node_data(
         root / "node2-data", ds.x_train[:n], ds.y_train[:n], ds.x_train[n : n + v], ds.y_train[n : n + v]
     )
-    limits = Limits(header_timeout=5, body_timeout=5)  # stalled senders cut sooner than the default 15 s
+    limits = Limits(body_timeout=5)  # stalled bodies cut sooner than the default 15 s
     sec = Security(tls=True, auth=True, certs=certs)
     f = Federation(root / "work", sec, cwd=root, echo=lambda _: None, limits=limits)
     f.root = root

@@ -89,7 +89,7 @@ class Limits:
     max_conn: int = 512  # requests in progress in all (the Python front's threads)
     # requests in progress at the SuperLink: what unauthenticated bodies can cost it is ~3 x this x max_body
     upstream_conns: int = 32
-    header_timeout: float = 15.0  # seconds to send the request line and headers
+    header_timeout: float = 5.0  # seconds to send the TLS handshake, request line and headers (idle: cut)
     body_timeout: float = 15.0  # seconds the body may stall between two reads
     min_rate: int = 8 * 1024  # bytes/s: the Python front's floor for a body's average (after body_timeout)
 
