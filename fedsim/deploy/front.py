@@ -25,7 +25,9 @@ round time. A body larger than ``Limits.max_body`` gets 413 (from its ``Content-
 without one passes the limit), a body must arrive whole before anything is forwarded (nginx spools it to its
 temporary folder, the Python front to a spooled temporary file: neither holds it all in memory), a sender
 that stalls is cut off, and each client address gets at most ``Limits.rate`` requests a second (plus a
-``burst``) and ``Limits.conn_per_address`` requests at a time, and the SuperLink at most
+``burst``), ``Limits.conn_per_address`` requests at a time and as many connections, counted when a connection
+is accepted (nginx in a ``stream`` server where it has the module, the Python front in its accept loop), a
+connection that sends no complete header within ``Limits.header_timeout`` is cut, and the SuperLink at most
 ``Limits.upstream_conns`` at a time (503 or 502 beyond: Flower's SuperNode retries those, not a 429).
 """
 
@@ -85,7 +87,7 @@ class Limits:
     max_body: int = field(default_factory=body_limit)  # bytes; larger bodies get 413
     rate: int = 100  # requests per second and client address, sustained
     burst: int = 400  # requests above the rate a client address may make at once
-    conn_per_address: int = 64  # requests in progress per client address
+    conn_per_address: int = 64  # connections per client address (capped at accept), and requests in progress
     max_conn: int = 512  # requests in progress in all (the Python front's threads)
     # requests in progress at the SuperLink: what unauthenticated bodies can cost it is ~3 x this x max_body
     upstream_conns: int = 32
