@@ -1454,6 +1454,39 @@ def test_stock_clientapp_under_fedsims_serverapp_on_a_superlink(fed, tmp_path):
 
 @needs_flower
 @pytest.mark.slow  # starts Flower's processes
+def test_a_run_under_an_idle_flood_from_one_address_ends_as_the_clean_run_does(fed):
+    """Three FedAvg rounds, then the same three while a stranger holds 1,000 idle connections to the nodes'
+    front from another loopback address (``test_front_flood._flood``: re-opened when cut, bounded, it stops
+    by itself): every round aggregates all three nodes and the metrics equal the clean run's."""
+    from helpers import without_wall_time
+    from test_front_flood import FLOOD, _flood
+
+    overrides = [*TINY, "num_rounds=3", "round_timeout=120"]
+    run_id, clean = _start_run(fed, "flood-clean", overrides)
+    _finish(fed, run_id, clean)
+    stop, stats = threading.Event(), {"held": 0}
+    flood = threading.Thread(target=_flood, args=(fed.address, stop, stats, 600, 2_000_000))
+    flood.start()
+    try:
+        _wait_for(lambda: stats["held"] >= FLOOD, 60, "the flood")
+        run_id, flooded = _start_run(fed, "flood-run", overrides)
+        _finish(fed, run_id, flooded)
+    finally:
+        stop.set()
+        flood.join(timeout=60)
+    assert not flood.is_alive()
+    print(f"flood: {stats['opened']} connections opened during the run")
+    a, b = (without_wall_time(read_metrics(out)) for out in (clean, flooded))
+    assert [r["num_clients"] for r in b[1:]] == [N] * 3 and [r["failures"] for r in b[1:]] == [0] * 3
+    assert len(a) == len(b) and all(x.keys() == y.keys() for x, y in zip(a, b))
+    for x, y in zip(a, b):
+        for k, v in x.items():
+            same = v == pytest.approx(y[k], rel=1e-5, abs=1e-7) if isinstance(v, float) else v == y[k]
+            assert same, (x["round"], k, v, y[k])
+
+
+@needs_flower
+@pytest.mark.slow  # starts Flower's processes
 def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     """Three synchronous FedAvg rounds; SuperNode 2 is killed (with its helpers) after round 2.
 
