@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from importlib.resources import files
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,7 +28,12 @@ def _options(group: str) -> list[str]:
 @functools.cache
 def groups() -> tuple[str, ...]:
     """The config groups every run needs (each folder of ``conf/`` but ``experiment``)."""
-    conf = files("fedsim.conf")
+    import fedsim
+
+    source = (
+        Path(fedsim.__file__).resolve().parent.parent / "conf"
+    )  # a deployed app's bundle: conf/ beside fedsim/
+    conf = source if (source / "config.yaml").is_file() else files("fedsim.conf")
     return tuple(
         sorted(p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith(("_", "experiment")))
     )
