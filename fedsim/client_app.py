@@ -2,7 +2,9 @@
 
 Every engine runs this same app; the node's partition comes from ``node_config``. The run's client spec (JSON:
 data set, partitioner, model, client algorithm, each with its ``_target_``) is what the app builds code from,
-so it is taken only from what the operator sets (docs/deploy.md, "Nothing runs because of a message"):
+so it is taken only from what the operator sets (docs/deploy.md, "Nothing runs because of a message"), and on a
+deployed node every other value the app reads from a message is bounded (``fedsim.admission``; a refusal is an
+error reply and one line of the node's log):
 
 * Deployed (``run_config`` holds ``overrides``, the key declared in pyproject's ``[tool.flwr.app.config]``
   and set by whoever submits the run through the Control API): the app composes fedsim's config from it, as
@@ -33,15 +35,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from fedsim import keys
-from fedsim.algorithms import halves
-from fedsim.messages import flower_train_config, global_state, incoming_arrays, parse_train, train_reply
-from fedsim.node_data import task_for
-from fedsim.run_spec import (  # noqa: F401  (re-exported: fedsim.deploy and tests take them from here)
+from fedsim.admission import (  # noqa: F401  (re-exported: fedsim.deploy and tests take them from here)
     MissingSpecError,
     SpecRefused,
+    admitted_spec,
+    refusing,
     run_spec,
     spec_from_overrides,
 )
+from fedsim.algorithms import halves
+from fedsim.messages import flower_train_config, global_state, incoming_arrays, parse_train, train_reply
+from fedsim.node_data import task_for
 from fedsim.training import evaluate, train_local
 
 app = ClientApp()
@@ -66,9 +70,10 @@ def _load(task, arrays: ArrayRecord) -> None:
 
 
 @app.train()
+@refusing
 def train(msg: Message, context: Context) -> Message:
     """Train on the local partition from the received global model."""
-    spec = run_spec(msg, context)  # before anything is built
+    spec = admitted_spec(msg, context)  # before anything is built
     task = task_for(spec, context.node_config)
     ins = parse_train(_with_spec(msg, spec))
     local = flower_train_config(task.local, ins.unhandled, context.run_config, foreign=_foreign(msg))
@@ -114,10 +119,11 @@ def _with_spec(msg: Message, spec: str) -> ConfigRecord:
 
 
 @app.evaluate()
+@refusing
 def evaluate_fn(msg: Message, context: Context) -> Message:
     """Evaluate the model this client would use on its validation split: the global one, made personal by a
     personalised client algorithm (Ditto's personal model, FedPer's own layers) from the client's state."""
-    spec = run_spec(msg, context)  # before anything is built
+    spec = admitted_spec(msg, context)  # before anything is built
     task = task_for(spec, context.node_config)
     _load(task, msg.content[keys.ARRAYS])
     cfg = msg.content.config_records.get(keys.CONFIG) or ConfigRecord()
@@ -144,8 +150,9 @@ def evaluate_fn(msg: Message, context: Context) -> Message:
 
 
 @app.query()
+@refusing
 def query(msg: Message, context: Context) -> Message:
     """Report this node's partition id and size (used to map node ids to partitions)."""
-    task = task_for(run_spec(msg, context), context.node_config)
+    task = task_for(admitted_spec(msg, context), context.node_config)
     metrics = {keys.PARTITION_ID: task.partition_id, keys.NUM_EXAMPLES: int(task.x_train.shape[0])}
     return Message(RecordDict({keys.METRICS: MetricRecord(metrics)}), reply_to=msg)

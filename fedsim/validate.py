@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from importlib.resources import files
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -19,15 +20,24 @@ SEED_MAX = 2**64 - 1  # torch.manual_seed takes seeds up to 2^64 - 1
 _MISSING = object()
 
 
+def _conf():
+    """fedsim's config folder: ``conf/`` beside the ``fedsim`` package where it is there (a deployed app's
+    bundle, the source tree), else the installed ``fedsim.conf``."""
+    import fedsim
+
+    source = Path(fedsim.__file__).resolve().parent.parent / "conf"
+    return source if (source / "config.yaml").is_file() else files("fedsim.conf")
+
+
 def _options(group: str) -> list[str]:
-    folder = files("fedsim.conf") / group
+    folder = _conf() / group
     return sorted(f.name.rsplit(".", 1)[0] for f in folder.iterdir() if f.name.endswith(".yaml"))
 
 
 @functools.cache
 def groups() -> tuple[str, ...]:
     """The config groups every run needs (each folder of ``conf/`` but ``experiment``)."""
-    conf = files("fedsim.conf")
+    conf = _conf()
     return tuple(
         sorted(p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith(("_", "experiment")))
     )
@@ -53,7 +63,7 @@ def boolean_keys() -> tuple[str, ...]:
     Read from ``conf/`` itself, so a new switch in any YAML is checked the moment it exists. A group key counts
     when every option that has it makes it a boolean.
     """
-    conf = files("fedsim.conf")
+    conf = _conf()
     main = OmegaConf.to_container(OmegaConf.load(str(conf / "config.yaml")), resolve=False)
     out = {
         k for k, is_bool in _bool_paths({k: v for k, v in main.items() if k != "hydra"}).items() if is_bool

@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
         default=LOCAL_NODE_POLL,
         help=f"the SuperNodes' idle poll in seconds through fedsim.deploy.node (default {LOCAL_NODE_POLL:g}: a "
         "federation on one machine is a handful of nodes, and Flower's 3 s would make every round wait up to "
-        "3 s; 3 runs Flower's own SuperNode command)",
+        "3 s; 3 keeps Flower's own loop)",
     )
     loc.add_argument(
         "--no-warm",

@@ -25,7 +25,9 @@ round time. A body larger than ``Limits.max_body`` gets 413 (from its ``Content-
 without one passes the limit), a body must arrive whole before anything is forwarded (nginx spools it to its
 temporary folder, the Python front to a spooled temporary file: neither holds it all in memory), a sender
 that stalls is cut off, and each client address gets at most ``Limits.rate`` requests a second (plus a
-``burst``) and ``Limits.conn_per_address`` requests at a time, and the SuperLink at most
+``burst``), ``Limits.conn_per_address`` requests at a time and as many connections, counted when a connection
+is accepted (nginx in a ``stream`` server where it has the module, the Python front in its accept loop), a
+connection that sends no complete header within ``Limits.header_timeout`` is cut, and the SuperLink at most
 ``Limits.upstream_conns`` at a time (503 or 502 beyond: Flower's SuperNode retries those, not a 429).
 """
 
@@ -85,11 +87,11 @@ class Limits:
     max_body: int = field(default_factory=body_limit)  # bytes; larger bodies get 413
     rate: int = 100  # requests per second and client address, sustained
     burst: int = 400  # requests above the rate a client address may make at once
-    conn_per_address: int = 64  # requests in progress per client address
+    conn_per_address: int = 64  # connections per client address (capped at accept), and requests in progress
     max_conn: int = 512  # requests in progress in all (the Python front's threads)
     # requests in progress at the SuperLink: what unauthenticated bodies can cost it is ~3 x this x max_body
     upstream_conns: int = 32
-    header_timeout: float = 15.0  # seconds to send the request line and headers
+    header_timeout: float = 5.0  # seconds to send the TLS handshake, request line and headers (idle: cut)
     body_timeout: float = 15.0  # seconds the body may stall between two reads
     min_rate: int = 8 * 1024  # bytes/s: the Python front's floor for a body's average (after body_timeout)
 
@@ -112,6 +114,31 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin:/sbin")
 
 
+def nginx_stream_module(binary: str | None = None) -> str | None:
+    """How this nginx gets its ``stream`` module: ``""`` built in, the path of ``ngx_stream_module.so`` to
+    load (Debian's ``libnginx-mod-stream``), or None when it has none (then connections are capped per
+    address only once their headers are in)."""
+    import subprocess
+
+    binary = binary or nginx_binary()
+    if binary is None:
+        return None
+    try:
+        flags = subprocess.run([binary, "-V"], capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if re.search(r"--with-stream(\s|$)", flags):
+        return ""
+    found = re.search(r"--modules-path=(\S+)", flags)
+    folders = [found.group(1)] if found else []
+    folders += ["/usr/lib/nginx/modules", "/usr/share/nginx/modules", "/usr/lib64/nginx/modules"]
+    if "--with-stream=dynamic" in flags:
+        for folder in folders:
+            if (Path(folder) / "ngx_stream_module.so").is_file():
+                return str(Path(folder) / "ngx_stream_module.so")
+    return None
+
+
 def _listen(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -124,14 +151,25 @@ def nginx_conf(
     logs: Path,
     tls: tuple[Path, Path, Path, str] | None,
     limits: Limits | None = None,
+    stream: str | None = None,
 ) -> str:
     """nginx's configuration for the front.
 
     ``tls`` is ``(server certificate, server key, CA certificate, name to check in the SuperLink's
     certificate)``, or None for a federation without TLS. ``prefix`` holds nginx's pid and temporary files
     (bodies larger than 1 MB are spooled there before they are forwarded). ``limits``: ``Limits()``.
+
+    ``stream`` (:func:`nginx_stream_module`: ``""`` built in, a module path to load, None: none): with it, the
+    public port is a ``stream`` server that caps connections per client address **when they are accepted**
+    (``Limits.conn_per_address``; beyond, closed at once) and passes each on, with the client's address in
+    a PROXY protocol header, to the HTTP server on a Unix socket in ``prefix`` (where the rules and the
+    other limits apply to that address). Without it, nginx's ``limit_conn`` counts a connection only once
+    its headers are in.
     """
     lim = limits or Limits()
+    sock = prefix / "front.sock"
+    if stream is not None and len(str(sock)) > 100:  # a Unix socket's path holds at most 107 bytes
+        stream = None
     upstream = f"{'https' if tls else 'http'}://fedsim_superlink"
     proxy = [
         f"proxy_pass {upstream};",
@@ -143,6 +181,8 @@ def nginx_conf(
         "proxy_send_timeout 600s;",
     ]
     listen = f"listen {_listen(listen_host, listen_port)}"
+    if stream is not None:
+        listen = f'listen "unix:{sock}"'
     server_tls = []
     if tls:
         cert, key, ca, name = tls
@@ -170,16 +210,26 @@ def nginx_conf(
     # started as root, nginx runs its workers as "nobody", who cannot write the spooled bodies into the
     # private (0700) folder: keep them as this user (better: start fedsim as an unprivileged user)
     user = f"user {pwd.getpwuid(os.geteuid()).pw_name};\n" if os.geteuid() == 0 else ""
+    load, accept, real_ip = "", "", ""
+    if stream is not None:
+        listen += " proxy_protocol"
+        load = f'load_module "{stream}";\n' if stream else ""
+        accept = _stream_block(listen_host, listen_port, sock, lim)
+        real_ip = "    set_real_ip_from unix:;  # the stream server's PROXY header names the client\n"
+        real_ip += "    real_ip_header proxy_protocol;\n"
+    # a connection costs nginx 2 (client, SuperLink), or 4 through the stream server (its two, the Unix side)
+    connections = max(2048, 4 * lim.max_conn + 128)
     return f"""# fedsim.deploy: the SuperLink's public front (fedsim/deploy/front.py). Generated; do not edit.
-daemon off;
+{load}daemon off;
 {user}worker_processes 1;
+worker_rlimit_nofile {2 * connections};
 pid "{prefix / "nginx.pid"}";
 error_log "{logs / "front-error.log"}" warn;
 events {{
-    worker_connections {max(1024, 2 * lim.max_conn + 64)};
+    worker_connections {connections};
 }}
-http {{
-    access_log "{logs / "front-access.log"}";
+{accept}http {{
+{real_ip}    access_log "{logs / "front-access.log"}";
     server_tokens off;
     # abuse is shed here, before the SuperLink (which parses a whole body before checking node authentication)
     client_max_body_size {-(-lim.max_body // 1024)}k;
@@ -227,6 +277,23 @@ http {{
         location / {{
             return 403;
         }}
+    }}
+}}
+"""
+
+
+def _stream_block(host: str, port: int, sock: Path, lim: Limits) -> str:
+    """The ``stream`` server on the public port: connections per client address capped as they are
+    accepted, each passed on to the HTTP server's Unix socket with a PROXY protocol header."""
+    return f"""stream {{
+    limit_conn_zone $binary_remote_addr zone=fedsim_accept:10m;
+    server {{
+        listen {_listen(host, port)};
+        limit_conn fedsim_accept {lim.conn_per_address};  # checked at accept: beyond, closed at once
+        proxy_pass "unix:{sock}";
+        proxy_protocol on;
+        proxy_connect_timeout 5s;
+        proxy_timeout 660s;  # idle both ways: a request may wait 600 s for the SuperLink
     }}
 }}
 """

@@ -1,4 +1,12 @@
-"""Flower's ``flower-supernode`` with a shorter idle poll, for small federations that want fast rounds.
+"""Flower's ``flower-supernode``, supervised, with an optional shorter idle poll (small, fast federations).
+
+**Supervision.** Flower 1.42's SuperNode retries a failed Fleet call with backoff, but gives up at once on
+an error whose text names SSL or TLS (a connection cut during the handshake gives ``SSL: UNEXPECTED_EOF``)
+and on ``--max-retries``/``--max-wait-time``. Its connection then ends and ``flower_supernode()`` returns,
+but the process stays alive, held by the thread of its Runtime API server, and never asks for work again.
+Here a return of ``flower_supernode()`` ends the process with one line and exit status
+``EXIT_CONNECTION_LOST``; whoever started it (``python -m fedsim.deploy supernode``, ``local``, a service
+manager) sees it exit and can start it again.
 
 Flower 1.42's SuperNode loop (``flwr.supernode.start_client_internal``) sleeps 3 s whenever a pull from the
 SuperLink brings no message, and 0.5 s at a time while it waits for its ClientApp's reply. A round's next
@@ -7,7 +15,7 @@ deployed round. This runs Flower's own SuperNode command unchanged except that t
 scaled by ``poll / 3`` (``--poll 0.25``: idle pulls every 0.25 s, reply checks every 0.04 s). Each idle node
 then asks the SuperLink ``3 / poll`` times as often: fine for a handful of nodes, not for thousands (keep
 Flower's 3 s there). ``python -m fedsim.deploy local`` runs its nodes through this with a 0.25 s poll by
-default; ``python -m fedsim.deploy supernode`` only when ``--node-poll`` is given::
+default; ``python -m fedsim.deploy supernode`` keeps Flower's 3 s unless ``--node-poll`` is given::
 
     python -m fedsim.deploy.node --poll 0.25 -- --superlink 127.0.0.1:9092 --insecure --node-config ...
 """
@@ -15,12 +23,14 @@ default; ``python -m fedsim.deploy supernode`` only when ``--node-poll`` is give
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time as _time
 
-__all__ = ["FLOWER_IDLE_POLL", "ScaledSleep", "main"]
+__all__ = ["EXIT_CONNECTION_LOST", "FLOWER_IDLE_POLL", "ScaledSleep", "main"]
 
 FLOWER_IDLE_POLL = 3.0  # seconds: the idle sleep of Flower 1.42's SuperNode loop
+EXIT_CONNECTION_LOST = 75  # the SuperNode's connection to the SuperLink ended (EX_TEMPFAIL: start it again)
 
 
 class ScaledSleep:
@@ -38,7 +48,7 @@ class ScaledSleep:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fedsim.deploy.node", description=__doc__.split("\n\n")[0])
-    p.add_argument("--poll", type=float, required=True, help="idle poll in seconds (Flower's: 3)")
+    p.add_argument("--poll", type=float, default=FLOWER_IDLE_POLL, help="idle poll in seconds (Flower's: 3)")
     p.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then flower-supernode's arguments")
     args = p.parse_args(argv)
     if not 0.01 <= args.poll <= 60:
@@ -50,9 +60,23 @@ def main(argv: list[str] | None = None) -> None:
 
     loop = importlib.import_module("flwr.supernode.start_client_internal")  # the module, not its function
 
-    loop.time = ScaledSleep(args.poll / FLOWER_IDLE_POLL)
+    if args.poll != FLOWER_IDLE_POLL:
+        loop.time = ScaledSleep(args.poll / FLOWER_IDLE_POLL)
     sys.argv = ["flower-supernode", *rest]
-    flower_supernode()
+    flower_supernode()  # returns only when its connection ended (Ctrl-C and SIGTERM exit inside it)
+    lost()
+
+
+def lost() -> None:
+    """End a SuperNode whose connection ended: one line, exit status ``EXIT_CONNECTION_LOST``, at once (the
+    Runtime API server's thread would keep the process alive)."""
+    sys.stdout.flush()
+    sys.stderr.write(
+        "fedsim SuperNode: the connection to the SuperLink ended (the error is logged above) and Flower's "
+        f"SuperNode does not reconnect: exiting with status {EXIT_CONNECTION_LOST}; start it again\n"
+    )
+    sys.stderr.flush()
+    os._exit(EXIT_CONNECTION_LOST)
 
 
 if __name__ == "__main__":

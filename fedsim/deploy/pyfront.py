@@ -1,7 +1,8 @@
 """fedsim's Python front: the fallback for machines without nginx (``python -m fedsim.deploy.pyfront``).
 
 The rules and limits are ``fedsim.deploy.front``'s (``allowed``, ``Limits``): a thread per connection, at
-most ``Limits.max_conn + 64`` of them; per client address a token bucket and a cap on requests in progress
+most ``Limits.max_conn + 64`` of them and ``Limits.conn_per_address`` per client address, counted when a
+connection is accepted (beyond, it is closed at once); per client address a token bucket and a cap on requests in progress
 (503 beyond, which Flower's SuperNode retries), and at most ``upstream_conns`` requests at the SuperLink; the
 request line and headers within ``header_timeout``; a body that stalls for ``body_timeout``, or then averages
 under ``min_rate``, is dropped; bodies over ``max_body`` get 413 before a byte of them is read. A body is
@@ -262,31 +263,55 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 class _Server(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most ``Limits.max_conn + 64`` of them: beyond, new connections are closed."""
+    """A thread per connection, at most ``Limits.max_conn + 64`` of them, and at most ``per_address`` per
+    client address, counted as each connection is accepted: beyond either, a new connection is closed at once
+    (no thread, no TLS handshake), so one address cannot hold the slots by opening connections and sending
+    nothing (those that do are cut after ``Limits.header_timeout``)."""
 
     daemon_threads = True
     request_queue_size = 128
     max_threads = 576
+    per_address = 64
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(self.max_threads)
+        self._open: dict[str, int] = {}  # client address -> connections held (only the accept loop adds)
+        self._open_lock = threading.Lock()
 
     def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # every slot busy: refuse the connection, start no thread
+        addr = client_address[0]
+        with self._open_lock:
+            if self._open.get(addr, 0) >= self.per_address:
+                addr = None
+            else:
+                self._open[addr] = self._open.get(addr, 0) + 1
+        if addr is None or not self._slots.acquire(blocking=False):
+            if addr is not None:
+                self._forget(addr)
+            self.shutdown_request(request)  # refuse the connection, start no thread
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
             self._slots.release()
+            self._forget(addr)
             raise
+
+    def _forget(self, addr: str) -> None:
+        with self._open_lock:
+            left = self._open.get(addr, 1) - 1
+            if left:
+                self._open[addr] = left
+            else:
+                self._open.pop(addr, None)
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
             self._slots.release()
+            self._forget(client_address[0])
 
 
 def serve(
@@ -320,6 +345,7 @@ def serve(
         {
             "address_family": socket.AF_INET6 if ":" in listen_host else socket.AF_INET,
             "max_threads": limits.max_conn + 64,  # the gate answers 503 to the excess while a thread is free
+            "per_address": limits.conn_per_address,
         },
     )
     server = server_cls((listen_host, listen_port), handler)
