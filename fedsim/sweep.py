@@ -293,6 +293,7 @@ class SweepSummary(Callback):
         if not sweep_dir.exists():
             return
         clean_jobs(sweep_dir)  # the entries of jobs killed outright (their own removal never ran)
+        schema.redact_file(sweep_dir / "multirun.yaml")  # also when no job got to redact it (all refused)
         jobs = self.jobs or expected_jobs(config, self.started)
         rows = write_summary(sweep_dir, jobs)
         FAILED_JOBS[:] = [

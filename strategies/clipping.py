@@ -10,14 +10,44 @@ metrics, checkpoints) is in ``fedsim.strategies.clip_wrapper``; the DpEvents and
 
 from __future__ import annotations
 
+import logging
+
 from flwr.serverapp.strategy import Strategy
 
-from fedsim import keys
+from fedsim import keys, schema
 from fedsim.checks import number
 from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
-from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
+from fedsim.strategies.clip_wrapper import COUNT_NOISE, MIN_NOISE_SEED_BITS, ClippingWrapper
 from fedsim.strategies.flower_names import alias
+
+log = logging.getLogger(__name__)
+
+
+def seed_policy(noise_seed: object, debug_noise_seed: object) -> None:
+    """Refuse an operator's ``noise_seed`` outside the explicit debug mode (``debug_noise_seed=true``).
+
+    The noise is only as secret as its seed, and a seed an operator typed is guessable whatever its length
+    (``2**63 + 4321`` was found by trying ``2**63 .. 2**63 + 9999``). A DP run therefore draws 128 bits from the
+    OS, kept in ``checkpoint.pt`` only; reproducing it means resuming that checkpoint. The value never appears
+    in the message (it would be in the console and the logs).
+    """
+    if noise_seed is None:
+        return
+    if debug_noise_seed is not True:
+        raise ConfigError(
+            "noise_seed",
+            schema.SECRET,
+            "null: a DP run draws 128 bits from the OS; resume its checkpoint to reproduce it",
+            "A seed someone typed can be guessed whatever its length, and with it the noise removed. "
+            "clipping.debug_noise_seed=true accepts one for tests and published reproductions (no guarantee).",
+        )
+    if isinstance(noise_seed, int) and noise_seed.bit_length() < MIN_NOISE_SEED_BITS:
+        return  # the wrapper warns about a short one (under DP)
+    log.warning(
+        "clipping: debug_noise_seed=true: the noise comes from an operator's noise_seed, which can be guessed; "
+        "the privacy guarantee does not hold for this run"
+    )
 
 
 class FixedClipping(ClippingWrapper):
@@ -51,15 +81,15 @@ class FixedClipping(ClippingWrapper):
     accountant : {"rdp", "pld"}
         dp-accounting's RDP or PLD accountant (PLD only with Poisson sampling).
     noise_seed : int or None
-        Server-only seed of the noise and of the DP cohorts; ``None``: drawn from OS entropy (128 bits).
-        Set, it must have at least 64 bits (a shorter one is found by trying them all) and differ from
-        ``seed``, which every client receives.
+        Server-only seed of the noise and of the DP cohorts; ``None`` (the only value outside the debug mode):
+        drawn from OS entropy (128 bits) and kept in the checkpoint, which a reproduction resumes. Set (with
+        ``debug_noise_seed``), it must differ from ``seed``, which every client receives.
     debug_metrics : bool
         Also report exact per-round client statistics (clipped fraction, update norms) in DP mode. This
         breaks the privacy guarantee of metrics.jsonl; for debugging only.
     debug_noise_seed : bool
-        Accept a ``noise_seed`` shorter than 64 bits, with a warning (tests, published reproductions); the
-        noise is then not secret and the guarantee does not hold.
+        Accept an operator's ``noise_seed``, with a warning (tests, published reproductions); the noise is
+        then not secret and the guarantee does not hold.
     clipping_norm, num_sampled_clients : optional
         Flower's names (``DifferentialPrivacy*FixedClipping``) for ``clip_norm`` and ``clients_per_round``.
     """
@@ -85,6 +115,7 @@ class FixedClipping(ClippingWrapper):
         clipping_norm: float | None = None,
         num_sampled_clients: int | None = None,
     ) -> None:
+        seed_policy(noise_seed, debug_noise_seed)
         super().__init__(
             strategy,
             num_clients,
@@ -162,6 +193,7 @@ class AdaptiveClipping(ClippingWrapper):
         target_clipped_quantile: float | None = None,
         num_sampled_clients: int | None = None,
     ) -> None:
+        seed_policy(noise_seed, debug_noise_seed)
         clients_per_round = alias(
             "clients_per_round", clients_per_round, None, "num_sampled_clients", num_sampled_clients
         )
