@@ -497,7 +497,13 @@ def _main() -> None:
         sys.exit(EXIT_CONFIG)
     except BaseException as e:
         if sweep.STOP.signum is None and not isinstance(e, KeyboardInterrupt):
-            raise
+            if (
+                sweep.STOP.sweep_dir is None
+                or not isinstance(e, Exception)
+                or os.environ.get("FEDSIM_TRACEBACK")
+            ):
+                raise
+            _launcher_failed(e)
         # a signal: in this process's run (basic launcher), or passed on to the launcher's job processes,
         # whose end (a job interrupted, a worker gone) ends the launcher too
         signum = sweep.STOP.signum or (e.signum if isinstance(e, Interrupted) else int(signal.SIGINT))
@@ -527,6 +533,21 @@ def _main() -> None:
         sys.exit(1)
     if EXIT_STATUS:
         _exit(EXIT_STATUS)
+
+
+def _launcher_failed(e: Exception) -> None:
+    """A launcher that runs jobs in other processes raised (a job process ended without a result, e.g. killed by
+    a signal while it started): one line, the sweep summary of what ran, exit status 1."""
+    from fedsim import sweep
+
+    why = errors.where_it_failed(e)
+    if type(e).__name__ == "UncompletedJobError":
+        why = f"a job process ended without a result (killed while it started?): {why}"
+    say(f"fedsim: sweep failed: {why} (FEDSIM_TRACEBACK=1 shows the traceback)")
+    if sweep.LAST_SWEEP is not None:
+        with contextlib.suppress(Exception):
+            sweep.LAST_SWEEP.summarise()
+    sys.exit(1)
 
 
 def _exit(status: int) -> None:

@@ -354,12 +354,16 @@ class SweepStop:
         self.sweep_dir: Path | None = None
 
     def arm(self, sweep_dir: Path) -> None:
+        import os
         import signal
         import threading
 
         self.sweep_dir, self.signum = sweep_dir, None
         (sweep_dir / STOP_MARKER).unlink(missing_ok=True)
         clean_jobs(sweep_dir)
+        # What escapes the launcher (a job process killed while it started: submitit's UncompletedJobError) is
+        # left to the command's one line (fedsim.cli), not printed by Hydra as a traceback of its own.
+        os.environ["HYDRA_FULL_ERROR"] = "1"
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.NAMES:
