@@ -68,6 +68,13 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
     A key the target does not take (``TypeError: ... unexpected keyword argument 'k'``) becomes a ConfigError on
     ``section.k`` listing the parameters it does take.
     """
+    if isinstance(node, DictConfig) and "_target_" not in node:  # a user's option file without one
+        raise ConfigError(
+            f"{section}._target_",
+            None,
+            "an importable class or function (module.name)",
+            f"The YAML file of {_option(section)} has no _target_ line.",
+        )
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as e:
@@ -193,9 +200,29 @@ def resolve_device(name: str, key: str = "placement.device", partition_id: int |
     return name
 
 
+def _option(section: str) -> str:
+    """``section=OPTION`` as chosen on the command line or in a config (``the section`` outside a Hydra run)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choice = HydraConfig.get().runtime.choices.get(section) if HydraConfig.initialized() else None
+    except Exception:  # noqa: BLE001  (only a better name for the option)
+        choice = None
+    return f"the option {section}={choice}" if choice else f"the {section} section"
+
+
 @functools.lru_cache(maxsize=4)
 def _dataset(dataset_json: str, seed: int) -> Dataset:
-    return _instantiate("dataset", OmegaConf.create(json.loads(dataset_json)), seed=seed)
+    node = OmegaConf.create(json.loads(dataset_json))
+    ds = _instantiate("dataset", node, seed=seed)
+    if not isinstance(ds, Dataset):  # a user's loader that forgot its return, or returned arrays
+        raise ConfigError(
+            "dataset._target_",
+            node.get("_target_"),
+            "a function returning fedsim.data.base.Dataset",
+            f"It returned {type(ds).__name__}{'' if ds is None else ' ' + repr(ds)[:60]}.",
+        )
+    return ds
 
 
 def build_dataset(spec: dict) -> Dataset:
@@ -377,7 +404,7 @@ def _client_algorithm(client_json: str):
     extra = {k: v for k, v in section.items() if k not in LocalTraining.__dataclass_fields__}
     cls = _algorithm_class(target)
     try:
-        return cls(local, **extra)
+        return check_user_metrics(cls(local, **extra))
     except TypeError as e:
         m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
         if not m:
@@ -391,6 +418,38 @@ def _client_algorithm(client_json: str):
         ) from None
     except ConfigError as e:
         raise e.with_prefix("client") from None
+
+
+def check_user_metrics(algorithm):
+    """A user's client algorithm (a class outside fedsim) whose ``run.metrics`` hold a value a reply cannot carry
+    (a string, None, a dict) fails with a line naming its class, file and the key, not Flower's type error."""
+    import inspect
+
+    cls = type(algorithm)
+    if cls.__module__.split(".")[0] == "fedsim":
+        return algorithm
+    after = algorithm.after_training
+
+    def after_training(run):
+        after(run)
+        for key, value in run.metrics.items():
+            ok = isinstance(value, (int, float)) or (
+                isinstance(value, list) and all(isinstance(v, (int, float)) for v in value)
+            )
+            if not ok or isinstance(value, bool):
+                try:
+                    where = f"{inspect.getsourcefile(cls)}: "
+                except TypeError:
+                    where = ""
+                raise ConfigError(
+                    "client._target_",
+                    f"{cls.__module__}.{cls.__qualname__}",
+                    "run.metrics of int or float values (or lists of them)",
+                    f"{where}run.metrics[{key!r}] = {value!r:.60} ({type(value).__name__}).",
+                )
+
+    algorithm.after_training = after_training
+    return algorithm
 
 
 def client_algorithm(spec: dict):
@@ -558,6 +617,7 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
         fraction_evaluate=1.0 if cfg.get("federated_eval") else 0.0,
         min_evaluate_nodes=1,
     )
+    check_user_combine(strategy)
     if base.is_async(strategy):
         _check_async(cfg, strategy)
     else:
@@ -577,6 +637,47 @@ def build_strategy(cfg: DictConfig, clients_per_round: int):
         extra = {k: v for k, v in run_values.items() if _takes(cls, k)}
         strategy = _instantiate(section, cfg[section], strategy=strategy, **extra)
     return strategy
+
+
+def check_user_combine(strategy) -> None:
+    """Check every model a user's ``combine`` (a strategy class outside fedsim) returns against the models it
+    combined: the same keys and shapes, floating point where they are. A wrong one would otherwise fail later in
+    torch's ``load_state_dict`` without naming the user's code, or, with integers, be cast back silently and train
+    nothing. The refusal names the user's file and the key."""
+    import inspect
+
+    cls = type(strategy)
+    owner = next((c for c in cls.__mro__ if "combine" in vars(c)), None)
+    if owner is None or owner.__module__.split(".")[0] == "fedsim":
+        return
+    inner = strategy.combine
+    try:
+        where = f"{inspect.getsourcefile(owner)}:{inspect.getsourcelines(vars(owner)['combine'])[1]}"
+    except (OSError, TypeError):
+        where = owner.__module__
+    name = f"{where}: {owner.__qualname__}.combine"
+
+    def combine(models, weights):
+        out = inner(models, weights)
+        like = models[0]
+        if not hasattr(out, "keys") or set(out.keys()) != set(like.keys()):
+            got = sorted(out.keys())[:5] if hasattr(out, "keys") else type(out).__name__
+            raise errors.RunError(
+                f"{name} returned {got}, not a model with the keys {sorted(like.keys())[:5]}"
+            )
+        for k, want in like.items():
+            a, want = np.asarray(out[k]), np.asarray(want)
+            if a.shape != want.shape:
+                raise errors.RunError(
+                    f"{name} returned {k!r} of shape {a.shape}; the model's is {want.shape}"
+                )
+            if np.issubdtype(want.dtype, np.floating) and not np.issubdtype(a.dtype, np.floating):
+                raise errors.RunError(
+                    f"{name} returned {k!r} as {a.dtype}; the model's weights are floating point ({want.dtype})"
+                )
+        return out
+
+    strategy.combine = combine
 
 
 def _check_async(cfg: DictConfig, strategy) -> None:

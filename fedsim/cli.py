@@ -60,6 +60,7 @@ def progress_to_log_file() -> None:
 
 def _task(cfg: DictConfig) -> float | None:
     """One Hydra job: run the experiment; return its objective for a sweeper (see :func:`objective`)."""
+    redact_logs()  # also in a launcher's job process
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         summary = _run_job(cfg)
@@ -107,25 +108,48 @@ def _warn_direction(cfg: DictConfig, hc) -> None:
 
 def hide_secrets(cfg: DictConfig, hc) -> None:
     """Put ``<secret>`` in place of the secrets' values (``schema.SECRET_KEYS``) in the files Hydra wrote for this
-    job (``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml``) and the sweep's ``multirun.yaml``: the
-    checkpoint keeps them, the run folder can be shared."""
+    job (``.hydra/config.yaml``, ``hydra.yaml``, ``overrides.yaml``) and the sweep's ``multirun.yaml`` (every
+    value of a swept secret): the checkpoint keeps them, the run folder can be shared."""
     from fedsim import schema
 
-    names = [key.rsplit(".", 1)[-1] for key in schema.SECRET_KEYS if OmegaConf.select(cfg, key) is not None]
-    if not names:
+    if not any(OmegaConf.select(cfg, key) is not None for key in schema.SECRET_KEYS):
         return
-    value = re.compile(rf"(\b(?:{'|'.join(map(re.escape, names))})\s*[:=]\s*)[\"']?[^\s\"',\]}}]+[\"']?")
     files = list((Path(hc.runtime.output_dir) / ".hydra").glob("*.yaml"))
     if hc.mode == RunMode.MULTIRUN:
         files.append(Path(hc.sweep.dir) / "multirun.yaml")
     for path in files:
-        with contextlib.suppress(OSError):
-            text = path.read_text(encoding="utf-8")
-            hidden = value.sub(lambda m: m.group(1) + schema.SECRET, text)
-            if hidden != text:
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(hidden, encoding="utf-8")
-                os.replace(tmp, path)
+        schema.redact_file(path)
+
+
+def redact_logs() -> None:
+    """From now on every log record shows ``<secret>`` in place of a secret's value (Hydra's launchers log each
+    job's overrides to the console and the log files)."""
+    from fedsim import schema
+
+    make = logging.getLogRecordFactory()
+    if getattr(make, "redacting", False):
+        return
+
+    def factory(*args, **kwargs):
+        record = make(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # noqa: BLE001  (a record that cannot be formatted is logging's to report)
+            return record
+        hidden = schema.redact_text(message)
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        return record
+
+    factory.redacting = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(factory)
+
+
+def say(line: str) -> None:
+    """Print one line of the command's to stderr, without a secret's value."""
+    from fedsim import schema
+
+    print(schema.redact_text(line), file=sys.stderr, flush=True)
 
 
 def _run_job(cfg: DictConfig) -> dict | None:
@@ -149,13 +173,13 @@ def _run_job(cfg: DictConfig) -> dict | None:
         errors.raise_pending()
         summary = run_experiment(cfg, hc.runtime.output_dir, choices)
     except ConfigError as e:
-        print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
+        say(f"fedsim: config error: {e}")
         if not multirun:
             undo_hydra_files()
             sys.exit(EXIT_CONFIG)
         _record_failure(Path(hc.runtime.output_dir), f"config error: {e}")
     except RunError as e:
-        print(f"fedsim: run failed: {e}", file=sys.stderr, flush=True)
+        say(f"fedsim: run failed: {e}")
         if not multirun:
             sys.exit(1)
         _record_failure(Path(hc.runtime.output_dir), f"run failed: {e}")
@@ -216,7 +240,7 @@ def _single_run_failed(out_dir: Path, e: Exception) -> None:
     import json
 
     why = errors.where_it_failed(e)
-    print(f"fedsim: run failed: {why} (FEDSIM_TRACEBACK=1 shows the traceback)", file=sys.stderr, flush=True)
+    say(f"fedsim: run failed: {why} (FEDSIM_TRACEBACK=1 shows the traceback)")
     undo_hydra_files()
     summary = out_dir / "summary.json"
     if out_dir.is_dir() and not summary.exists():
@@ -239,6 +263,9 @@ def _record_failure(out_dir: Path, message: str) -> None:
     """In a sweep, a failed job leaves error.txt and a summary.json saying so; the other jobs go on."""
     import json
 
+    from fedsim import schema
+
+    message = schema.redact_text(message)
     FAILED_JOBS.append(str(out_dir.resolve()))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "error.txt").write_text(message + "\n")
@@ -322,6 +349,8 @@ def prepare_folders(argv: list[str]) -> list[str]:
             return []
     if not multirun and cfg.get("resume"):  # before any folder is made or locked: a refusal touches nothing
         _check_resume(copy.deepcopy(cfg), open_dict)
+    if multirun:
+        _secret_folder_names(argv, cfg)
     node = "sweep" if multirun else "run"
     key = f"hydra.{node}.dir"
     raw = str(OmegaConf.to_container(cfg.hydra[node], resolve=False)["dir"])
@@ -345,6 +374,27 @@ def prepare_folders(argv: list[str]) -> list[str]:
     if not multirun:
         RUN_FOLDER.update(path=folder, created=not existed, hydra=_read_folder(folder / ".hydra"))
     return extra
+
+
+def _secret_folder_names(argv: list[str], cfg) -> None:
+    """Refuse a sweep over a secret (``clipping.noise_seed=A,B``) whose job folders are named by their overrides
+    (``hydra.sweep.subdir=${hydra.job.override_dirname}``): the secret is left out of those names, so its
+    jobs would share one folder."""
+    from fedsim import schema
+
+    subdir = str(OmegaConf.to_container(cfg.hydra.sweep, resolve=False).get("subdir", ""))
+    if "override_dirname" not in subdir or "hydra.job.num" in subdir:
+        return
+    names = {k.rsplit(".", 1)[-1] for k in schema.SECRET_KEYS}
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~").rsplit(".", 1)[-1] in names and ("," in value or "(" in value):
+            raise ConfigError(
+                "hydra.sweep.subdir",
+                subdir,
+                "a folder name with ${hydra.job.num} when a secret is swept",
+                f"{key.lstrip('+~')} is a secret: it is never in a folder name, so its jobs would share one.",
+            )
 
 
 RUN_FOLDER: dict = {}  # the single run's folder as it was before Hydra wrote into it (see undo_hydra_files)
@@ -432,9 +482,10 @@ def _main() -> None:
 
     errors.IGNORE_AFTER_INTERRUPT = True
     argv = sys.argv[1:]
+    redact_logs()
     msg = unknown_key(argv, remember=True) or null_group(argv)
     if msg:
-        print(f"fedsim: config error: {msg}", file=sys.stderr)
+        say(f"fedsim: config error: {msg}")
         sys.exit(EXIT_CONFIG)
     try:
         errors.raise_pending()  # check points of the start: a SIGTERM noted so far ends the command here
@@ -442,11 +493,17 @@ def _main() -> None:
         _hydra_main()
         errors.raise_pending()  # one that came after the last run (or between its end and the exit)
     except ConfigError as e:
-        print(f"fedsim: config error: {e}", file=sys.stderr, flush=True)
+        say(f"fedsim: config error: {e}")
         sys.exit(EXIT_CONFIG)
     except BaseException as e:
         if sweep.STOP.signum is None and not isinstance(e, KeyboardInterrupt):
-            raise
+            if (
+                sweep.STOP.sweep_dir is None
+                or not isinstance(e, Exception)
+                or os.environ.get("FEDSIM_TRACEBACK")
+            ):
+                raise
+            _launcher_failed(e)
         # a signal: in this process's run (basic launcher), or passed on to the launcher's job processes,
         # whose end (a job interrupted, a worker gone) ends the launcher too
         signum = sweep.STOP.signum or (e.signum if isinstance(e, Interrupted) else int(signal.SIGINT))
@@ -476,6 +533,21 @@ def _main() -> None:
         sys.exit(1)
     if EXIT_STATUS:
         _exit(EXIT_STATUS)
+
+
+def _launcher_failed(e: Exception) -> None:
+    """A launcher that runs jobs in other processes raised (a job process ended without a result, e.g. killed by
+    a signal while it started): one line, the sweep summary of what ran, exit status 1."""
+    from fedsim import sweep
+
+    why = errors.where_it_failed(e)
+    if type(e).__name__ == "UncompletedJobError":
+        why = f"a job process ended without a result (killed while it started?): {why}"
+    say(f"fedsim: sweep failed: {why} (FEDSIM_TRACEBACK=1 shows the traceback)")
+    if sweep.LAST_SWEEP is not None:
+        with contextlib.suppress(Exception):
+            sweep.LAST_SWEEP.summarise()
+    sys.exit(1)
 
 
 def _exit(status: int) -> None:

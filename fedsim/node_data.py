@@ -97,9 +97,12 @@ def _read_npz(path: Path) -> tuple[np.ndarray, np.ndarray]:
         )
     if not np.issubdtype(y.dtype, np.integer):
         raise ConfigError(keys.NODE_DATA_DIR, str(path), "integer class ids in y", f"Got dtype {y.dtype}.")
-    if not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
+    if np.iscomplexobj(x) or not np.issubdtype(x.dtype, np.number) or not np.isfinite(x).all():
         raise ConfigError(
-            keys.NODE_DATA_DIR, str(path), "finite numeric features in x", f"Got dtype {x.dtype}."
+            keys.NODE_DATA_DIR,
+            str(path),
+            "finite numeric features in x (not complex)",
+            f"Got dtype {x.dtype}.",
         )
     return x.astype(np.float32, copy=False), y.astype(np.int64, copy=False)
 

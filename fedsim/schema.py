@@ -6,6 +6,8 @@ train metrics add their own keys (``clip-norm`` becomes ``clip_norm``: see :func
 
 from __future__ import annotations
 
+import re
+
 ROUND = "round"
 WALL_TIME = "wall_time"
 ROUND_TIME = "round_time"
@@ -44,6 +46,38 @@ BYTES_DOWN = "bytes_down"
 # to summary.json, Hydra's .hydra/ files, a logger, a callback or a sweep summary.
 SECRET_KEYS = ("clipping.noise_seed",)
 SECRET = "<secret>"  # what stands in their place
+
+_ITEM = r"""(?>["']?[^\s,=:"'\[\](){}]+["']?)"""  # one value, never backtracked into
+_SECRET_VALUE = re.compile(
+    rf"""(\b(?:{"|".join(re.escape(k.rsplit(".", 1)[-1]) for k in SECRET_KEYS)})["']?\s*[:=]\s*)"""
+    rf"(?:\w+\([^)]*\)|\[[^\]]*\]|{_ITEM}(?:\s*,\s*{_ITEM}(?![=:]))*)"
+)
+
+
+def redact_text(text: str) -> str:
+    """``text`` with ``<secret>`` in place of every secret's value (``noise_seed=...``, ``noise_seed: ...``):
+    also a sweep's ``1,2``, ``choice(1,2)``, ``range(1,9)`` or ``[1,2]``, and the secret in Hydra's
+    ``override_dirname`` (``clipping.noise_seed=1,seed=0``), whose next override stays."""
+    return _SECRET_VALUE.sub(lambda m: m.group(1) + SECRET, text)
+
+
+def redact_file(path) -> None:
+    """Rewrite the text file ``path`` with :func:`redact_text` (atomically; a missing or unreadable file is left)."""
+    import contextlib
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        text = path.read_text(encoding="utf-8")
+        hidden = redact_text(text)
+        if hidden != text:
+            tmp = path.with_name(
+                f".{path.name}.{os.getpid()}.tmp"
+            )  # parallel jobs redact the same multirun.yaml
+            tmp.write_text(hidden, encoding="utf-8")
+            os.replace(tmp, path)
+
 
 # Fields measured on the wall clock: they differ between two runs that compute the same thing.
 WALL_CLOCK = (WALL_TIME, ROUND_TIME)

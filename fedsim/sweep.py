@@ -12,7 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from fedsim import progress, schema
-from fedsim.procs import descendants
+from fedsim.procs import descendants, is_own, start_time
 
 COLUMNS = (
     "job",
@@ -292,6 +292,8 @@ class SweepSummary(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         if not sweep_dir.exists():
             return
+        clean_jobs(sweep_dir)  # the entries of jobs killed outright (their own removal never ran)
+        schema.redact_file(sweep_dir / "multirun.yaml")  # also when no job got to redact it (all refused)
         jobs = self.jobs or expected_jobs(config, self.started)
         rows = write_summary(sweep_dir, jobs)
         FAILED_JOBS[:] = [
@@ -304,7 +306,36 @@ class SweepSummary(Callback):
 
 
 STOP_MARKER = ".fedsim-stop"  # in the sweep folder: the sweep was stopped; jobs not started yet do not start
-JOBS_FOLDER = ".fedsim-jobs"  # in the sweep folder: one empty file per running job, named by its process id
+JOBS_FOLDER = (
+    ".fedsim-jobs"  # in the sweep folder: one file per running job, named by its process id, holding
+)
+# its start time (fedsim.procs.start_time): the parent signals only a process that is still that one and its own
+
+
+def job_entries(sweep_dir: Path) -> list[tuple[Path, int, str]]:
+    """The job list's entries: (file, process id, start time); a name that is not a process id counts as 0."""
+    folder = sweep_dir / JOBS_FOLDER
+    found = []
+    for entry in folder.iterdir() if folder.is_dir() else []:
+        if entry.name.startswith("."):  # an entry being written (see job_slot)
+            continue
+        try:
+            pid, started = int(entry.name) if entry.name.isdigit() else 0, entry.read_text().strip()
+        except OSError:
+            continue
+        found.append((entry, pid, started))
+    return found
+
+
+def clean_jobs(sweep_dir: Path) -> None:
+    """Remove the entries whose process has ended (a job killed by SIGKILL, the OOM killer, leaves its entry):
+    its number may be given to another process, which must never be signalled as a job."""
+    import contextlib
+
+    for entry, pid, started in job_entries(sweep_dir):
+        if pid <= 1 or not started or start_time(pid) != started:
+            with contextlib.suppress(OSError):
+                entry.unlink()
 
 
 class SweepStop:
@@ -323,11 +354,16 @@ class SweepStop:
         self.sweep_dir: Path | None = None
 
     def arm(self, sweep_dir: Path) -> None:
+        import os
         import signal
         import threading
 
         self.sweep_dir, self.signum = sweep_dir, None
         (sweep_dir / STOP_MARKER).unlink(missing_ok=True)
+        clean_jobs(sweep_dir)
+        # What escapes the launcher (a job process killed while it started: submitit's UncompletedJobError) is
+        # left to the command's one line (fedsim.cli), not printed by Hydra as a traceback of its own.
+        os.environ["HYDRA_FULL_ERROR"] = "1"
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.NAMES:
@@ -350,10 +386,13 @@ class SweepStop:
             return
         with contextlib.suppress(OSError):  # first the marker, then the running jobs (see job_slot)
             (self.sweep_dir / STOP_MARKER).write_text(signal.Signals(signum).name + "\n")
-        jobs = self.sweep_dir / JOBS_FOLDER
-        for entry in jobs.iterdir() if jobs.is_dir() else []:
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int(entry.name), signum)
+        me = os.getpid()
+        family = set(descendants(me))
+        for _, pid, started in job_entries(self.sweep_dir):
+            if is_own(pid, started, me, family):  # never a stale entry's number, 0, -1, or a stranger
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signum)
+        clean_jobs(self.sweep_dir)
 
 
 def stopped(sweep_dir: str | Path) -> str | None:
@@ -381,9 +420,11 @@ def job_slot(sweep_dir: str | Path):
     def slot():
         folder = Path(sweep_dir) / JOBS_FOLDER
         folder.mkdir(parents=True, exist_ok=True)
-        mine = folder / str(os.getpid())
+        pid = os.getpid()
+        mine, tmp = folder / str(pid), folder / f".{pid}.tmp"
         with signals():
-            mine.touch()
+            tmp.write_text(f"{start_time(pid) or ''}\n")
+            os.replace(tmp, mine)  # the parent reads a whole entry or none
             try:
                 yield stopped(sweep_dir)
             finally:

@@ -49,11 +49,10 @@ https://arxiv.org/abs/1905.03871).
 
 **Secrets.** The noise and the DP cohort are drawn from generators derived from ``noise_seed``, never from the
 run ``seed`` (every client receives the run seed in the client spec and could regenerate anything derived
-from it). ``noise_seed=None`` (the default) draws it from OS entropy (``np.random.SeedSequence()``, 128 bits);
-an operator may set it to reproduce a run, but only to an integer of at least ``MIN_NOISE_SEED_BITS`` (64) bits:
-a short seed is found by trying them all (10^4 seeds take seconds) and with it every noise draw.
-``debug_noise_seed=True`` accepts a short one with a warning (tests, published reproductions: the noise is
-then not secret). It stays on the server: the ``clipping`` config section is not part of the client spec. The
+from it). It is drawn from OS entropy (``np.random.SeedSequence()``, 128 bits). An operator's seed is refused
+whatever its length (a seed near any guessable value, ``2**63 + 4321``, is found by trying the neighbourhood,
+and with it every noise draw); ``debug_noise_seed=True`` accepts one with a warning (tests, published
+reproductions: the noise is then not secret). It stays on the server: the ``clipping`` config section is not part of the client spec. The
 seed in use is kept in ``state_dict`` (a resumed run draws the same noise and cohorts, bit-identical) and in
 no summary, metric or log (``summary_fields`` says only where it came from).
 
@@ -73,7 +72,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, 
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedsim import keys
+from fedsim import keys, schema
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
 from fedsim.grid_utils import SampledGrid, first_line
@@ -100,9 +99,6 @@ COHORT, UPDATE_NOISE, COUNT_NOISE = 1, 2, 3
 _PUBLIC_COHORT, _PUBLIC_NOISE, _PUBLIC_PURPOSE = 1, 5, {UPDATE_NOISE: 0, COUNT_NOISE: 1}
 _CLIENT_TOLERANCE = 1e-3  # a client-clipped update may exceed C by this relative margin (float32 rounding)
 _CLIENT_STATISTICS = (keys.CLIPPED, keys.UPDATE_NORM)  # exact per-client values; dropped in DP mode
-MIN_NOISE_SEED_BITS = (
-    64  # an operator-set noise seed must be at least this long (not found by trying them all)
-)
 
 
 STAND_IN_NODE = 0  # a node id that no real node has (Flower draws node ids at random, never 0)
@@ -130,6 +126,30 @@ def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ConfigError(key, value, " or ".join(allowed))
     return str(value)
+
+
+def seed_policy(noise_seed: object, debug_noise_seed: object) -> None:
+    """Refuse an operator's ``noise_seed`` outside the explicit debug mode (``debug_noise_seed=true``).
+
+    The noise is only as secret as its seed, and a seed an operator typed is guessable whatever its length
+    (``2**63 + 4321`` was found by trying ``2**63 .. 2**63 + 9999``). A DP run therefore draws 128 bits from the
+    OS, kept in ``checkpoint.pt`` only; reproducing it means resuming that checkpoint. The value never appears
+    in the message (it would be in the console and the logs).
+    """
+    if noise_seed is None:
+        return
+    if debug_noise_seed is not True:
+        raise ConfigError(
+            "noise_seed",
+            schema.SECRET,
+            "null: a DP run draws 128 bits from the OS; resume its checkpoint to reproduce it",
+            "A seed someone typed can be guessed whatever its length, and with it the noise removed. "
+            "clipping.debug_noise_seed=true accepts one for tests and published reproductions (no guarantee).",
+        )
+    log.warning(
+        "clipping: debug_noise_seed=true: the noise comes from an operator's noise_seed, which can be guessed; "
+        "the privacy guarantee does not hold for this run"
+    )
 
 
 class ClippingWrapper(Wrapper):
@@ -193,6 +213,7 @@ class ClippingWrapper(Wrapper):
         self.debug_metrics = debug_metrics
         if not isinstance(debug_noise_seed, bool):
             raise ConfigError("debug_noise_seed", debug_noise_seed, "true or false")
+        seed_policy(noise_seed, debug_noise_seed)
         if noise_seed is not None:
             noise_seed = integer("noise_seed", noise_seed, 0)
         self.strategy = strategy
@@ -206,22 +227,6 @@ class ClippingWrapper(Wrapper):
                     noise_seed,
                     "null or an integer other than the run's seed",
                     "Every client receives the run's seed, so noise drawn from it could be removed.",
-                )
-            if noise_seed is not None and noise_seed.bit_length() < MIN_NOISE_SEED_BITS:
-                if not debug_noise_seed:
-                    raise ConfigError(
-                        "noise_seed",
-                        noise_seed,
-                        f"null (128 bits of OS entropy) or a random integer of at least {MIN_NOISE_SEED_BITS} "
-                        "bits, e.g. python -c 'import secrets; print(secrets.randbits(128))'",
-                        "A short seed is found by trying them all, and with it the noise. "
-                        "clipping.debug_noise_seed=true accepts it for a test (the noise is then not secret).",
-                    )
-                log.warning(
-                    "clipping: debug_noise_seed=true: noise_seed has %d bits (< %d): anyone can find it by trying "
-                    "them all and remove the noise; the privacy guarantee does not hold for this run",
-                    noise_seed.bit_length(),
-                    MIN_NOISE_SEED_BITS,
                 )
             self.noise_seed_source = "operator" if noise_seed is not None else "entropy"
             # server-only secret: set by the operator, else 128 bits of OS entropy

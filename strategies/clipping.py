@@ -10,6 +10,8 @@ metrics, checkpoints) is in ``fedsim.strategies.clip_wrapper``; the DpEvents and
 
 from __future__ import annotations
 
+import logging
+
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
@@ -18,6 +20,8 @@ from fedsim.errors import ConfigError
 from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
 from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
 from fedsim.strategies.flower_names import alias
+
+log = logging.getLogger(__name__)
 
 
 class FixedClipping(ClippingWrapper):
@@ -51,15 +55,15 @@ class FixedClipping(ClippingWrapper):
     accountant : {"rdp", "pld"}
         dp-accounting's RDP or PLD accountant (PLD only with Poisson sampling).
     noise_seed : int or None
-        Server-only seed of the noise and of the DP cohorts; ``None``: drawn from OS entropy (128 bits).
-        Set, it must have at least 64 bits (a shorter one is found by trying them all) and differ from
-        ``seed``, which every client receives.
+        Server-only seed of the noise and of the DP cohorts; ``None`` (the only value outside the debug mode):
+        drawn from OS entropy (128 bits) and kept in the checkpoint, which a reproduction resumes. Set (with
+        ``debug_noise_seed``), it must differ from ``seed``, which every client receives.
     debug_metrics : bool
         Also report exact per-round client statistics (clipped fraction, update norms) in DP mode. This
         breaks the privacy guarantee of metrics.jsonl; for debugging only.
     debug_noise_seed : bool
-        Accept a ``noise_seed`` shorter than 64 bits, with a warning (tests, published reproductions); the
-        noise is then not secret and the guarantee does not hold.
+        Accept an operator's ``noise_seed``, with a warning (tests, published reproductions); the noise is
+        then not secret and the guarantee does not hold.
     clipping_norm, num_sampled_clients : optional
         Flower's names (``DifferentialPrivacy*FixedClipping``) for ``clip_norm`` and ``clients_per_round``.
     """

@@ -24,7 +24,7 @@ except ImportError:
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_SEED = "clipping.noise_seed=340282366920938463463374607431768211297"  # 128 bits
-DP = ["clipping=fixed", "clipping.noise_multiplier=1.0", LONG_SEED]
+DP = ["clipping=fixed", "clipping.noise_multiplier=1.0", LONG_SEED, "clipping.debug_noise_seed=true"]
 CLIP = ["clipping=fixed", "clipping.noise_multiplier=0"]
 
 # What DP must refuse, and the word its reason must contain: written out by hand, not read from the code.
@@ -188,7 +188,16 @@ def _fednova_release(replies, taus, tau_pub=4.0, z=1.0, c=0.5, m=3, noise_seed=2
 
     x = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
     nova = FedNova(server_lr=server_lr, dp_tau_eff=tau_pub, **flower_kwargs())
-    s = FixedClipping(nova, 10, m, clip_norm=c, noise_multiplier=z, noise_seed=noise_seed, sampling="fixed")
+    s = FixedClipping(
+        nova,
+        10,
+        m,
+        clip_norm=c,
+        noise_multiplier=z,
+        noise_seed=noise_seed,
+        sampling="fixed",
+        debug_noise_seed=True,
+    )
     msgs = [make_reply(y, 7 * (i + 1), i, num_steps=t) for i, (y, t) in enumerate(zip(replies, taus))]
     out, metrics = run_round(s, 1, x, msgs)
     return x, out, metrics
@@ -242,8 +251,8 @@ def test_dp_fednova_epsilon_equals_dp_accounting_at_the_noise_multiplier(tmp_pat
     n, m, z = 6, 5, 1.5
     run_tiny(
         tmp_path, "strategy=fednova", "strategy.dp_tau_eff=4", "client.local_steps=4", "clipping=fixed",
-        f"clipping.noise_multiplier={z}", LONG_SEED, f"num_clients={n}", f"clients_per_round={m}",
-        "num_rounds=2",
+        f"clipping.noise_multiplier={z}", LONG_SEED, "clipping.debug_noise_seed=true", f"num_clients={n}",
+        f"clients_per_round={m}", "num_rounds=2",
     )  # fmt: skip
     for r in read_metrics(tmp_path)[1:]:
         if "epsilon" not in r:

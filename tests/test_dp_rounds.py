@@ -55,7 +55,8 @@ NS = next(LONG + k for k in range(2000) if _empty_round_one(LONG + k))
 def _wrapper(cls=FixedClipping, inner=None, z=Z, **kw):
     inner = inner or FedAvg(**flower_kwargs())
     clip = {"clip_norm": C} if cls is FixedClipping else {"initial_clip_norm": C}
-    return cls(inner, N, M, **clip, noise_multiplier=z, noise_seed=NS if z else None, **kw)
+    seed = {"noise_seed": NS, "debug_noise_seed": True} if z else {}
+    return cls(inner, N, M, **clip, noise_multiplier=z, **seed, **kw)
 
 
 def _hand_release(std: float, rnd: int = 1) -> dict[str, np.ndarray]:
@@ -175,6 +176,7 @@ def test_a_run_whose_every_reply_fails_is_noised_with_dp_and_keeps_its_model_wit
         "clipping.clip_norm=0.5",
         "clipping.sampling=fixed",
         "clipping.noise_seed=" + str(NS),
+        "clipping.debug_noise_seed=true",
     ]
     for z in (1.0, 0.0):
         out = tmp_path / f"z{z}"

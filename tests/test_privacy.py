@@ -8,6 +8,7 @@ epsilon is recomputed here with dp-accounting directly (the DpEvent is built in 
 from __future__ import annotations
 
 import json
+import logging
 
 import dp_accounting
 import numpy as np
@@ -21,7 +22,7 @@ from strategy_helpers import flower_kwargs
 
 from fedsim import keys, schema
 from fedsim.strategies.clip_wrapper import SECRET_TAG, UPDATE_NOISE
-from fedsim.strategies.clipping import FixedClipping
+from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
 from fedsim.strategies.fedavg import FedAvg
 
 try:  # the tiny-run helpers: tests/helpers.py, formerly tests/conftest.py
@@ -30,6 +31,7 @@ except ImportError:
     from conftest import read_metrics, run_tiny, without_wall_time
 
 DP = ["clipping=fixed", "clipping.noise_multiplier=1.0"]
+DEBUG_SEED = "clipping.debug_noise_seed=true"  # an operator's noise_seed is accepted in the debug mode only
 
 
 def direct_epsilon(
@@ -56,7 +58,9 @@ LONG = 0x9E3779B97F4A7C15F39CC0605CEDC834  # a 128-bit base for the noise seeds 
 
 def cohort_sizes(noise_seed: int, n: int, m: int, rounds: int) -> list[int]:
     """The Poisson cohort sizes a DP run with this noise seed will draw (the wrapper is deterministic in it)."""
-    s = FixedClipping(FedAvg(**flower_kwargs()), n, m, noise_multiplier=1.0, noise_seed=noise_seed)
+    s = FixedClipping(
+        FedAvg(**flower_kwargs()), n, m, noise_multiplier=1.0, noise_seed=noise_seed, debug_noise_seed=True
+    )
     return [len(s.sample_cohort(r, n, m)) for r in range(1, rounds + 1)]
 
 
@@ -80,6 +84,7 @@ def test_epsilon_per_round_equals_dp_accounting_for_the_sampler_that_ran(tmp_pat
         f"clipping.sampling={sampling}",
         f"clipping.accountant={accountant}",
         f"clipping.noise_seed={ns}",
+        DEBUG_SEED,
     )
     records = read_metrics(tmp_path)[1:]
     assert [r["round"] for r in records] == [1, 2, 3]
@@ -114,6 +119,7 @@ def test_poisson_cohorts_vary_and_every_round_is_released_with_noise_and_charged
         f"num_rounds={rounds}",
         "min_replies=3",
         f"clipping.noise_seed={ns}",
+        DEBUG_SEED,
     )
     records = read_metrics(tmp_path)
     sizes = cohort_sizes(ns, n, m, rounds)
@@ -141,7 +147,12 @@ def test_the_budget_stop_still_works_with_poisson_sampling(tmp_path):
     ) / 2
     ns = seed_where(lambda s: min(s) >= 1, 6, 3, 4)
     summary = run_tiny(
-        tmp_path, *DP, "num_rounds=10", f"clipping.max_epsilon={budget}", f"clipping.noise_seed={ns}"
+        tmp_path,
+        *DP,
+        "num_rounds=10",
+        f"clipping.max_epsilon={budget}",
+        f"clipping.noise_seed={ns}",
+        DEBUG_SEED,
     )
     assert summary["status"] == "stopped" and "max_epsilon" in summary["stop_reason"]
     assert summary["rounds_done"] == 3 and summary["final_epsilon"] <= budget
@@ -189,7 +200,7 @@ class _Tap:
 @pytest.mark.parametrize("noise_seed", [LONG + 918273645, None])
 def test_no_message_to_a_client_carries_the_noise_seed(tmp_path, monkeypatch, noise_seed):
     tap = _Tap(monkeypatch)
-    extra = [] if noise_seed is None else [f"clipping.noise_seed={noise_seed}"]
+    extra = [] if noise_seed is None else [f"clipping.noise_seed={noise_seed}", DEBUG_SEED]
     summary = run_tiny(  # 4 rounds: a drawn seed's Poisson cohorts (q = 0.5 of 6) are all empty 1 in 64^4
         tmp_path, "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client",
         "federated_eval=true", "num_rounds=4", "checkpoint_every=4", *extra,
@@ -224,6 +235,7 @@ def test_the_run_seed_no_longer_regenerates_the_noise(tmp_path, monkeypatch):
         f"clipping.noise_multiplier={z}",
         f"clipping.clip_norm={c}",
         f"clipping.noise_seed={noise_seed}",
+        DEBUG_SEED,
         f"seed={seed}",
         "num_clients=6",
         f"clients_per_round={m}",  # q = 1: everyone trains, the round is never empty
@@ -251,7 +263,12 @@ def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
     # a noise seed whose Poisson cohorts are not empty (an entropy-drawn one leaves both rounds empty 1 in 4096)
     ns = f"clipping.noise_seed={seed_where(lambda s: min(s) >= 1, 6, 3, 2)}"
     run_tiny(
-        tmp_path / "private", "clipping=adaptive", "clipping.noise_multiplier=1.0", "clipping.side=client", ns
+        tmp_path / "private",
+        "clipping=adaptive",
+        "clipping.noise_multiplier=1.0",
+        "clipping.side=client",
+        ns,
+        DEBUG_SEED,
     )
     fields = set().union(*[set(r) for r in read_metrics(tmp_path / "private")])
     assert {"epsilon", "noisy_unclipped_fraction", "clip_norm", "noise_std"} <= fields
@@ -263,6 +280,7 @@ def test_dp_metrics_jsonl_has_no_exact_client_statistics(tmp_path):
         "clipping.side=client",
         "clipping.debug_metrics=true",
         ns,
+        DEBUG_SEED,
     )
     fields = set().union(*[set(r) for r in read_metrics(tmp_path / "debug")])
     assert {"clipped_fraction", "clipped", "update_norm"} <= fields
@@ -277,7 +295,7 @@ def test_a_run_whose_every_poisson_cohort_is_empty_says_so(tmp_path):
     with pytest.raises(
         RunError, match=r"all 1 round\(s\) released DP noise alone or were skipped \(empty cohort: 1\)"
     ):
-        run_tiny(tmp_path, *DP, "num_rounds=1", f"clipping.noise_seed={ns}")
+        run_tiny(tmp_path, *DP, "num_rounds=1", f"clipping.noise_seed={ns}", DEBUG_SEED)
 
 
 # ---------------------------------------------------------------- resume
@@ -295,7 +313,7 @@ def test_a_resumed_dp_run_keeps_its_drawn_noise_seed(tmp_path):
     resumed = run_tiny(tmp_path / "resumed", *over, "num_rounds=6", f"resume={tmp_path / 'part'}")
     assert load(tmp_path / "resumed" / "checkpoint.pt")["strategy_state"]["noise_seed"] == drawn
     assert resumed["rounds_accounted"] == 6 and "noise_seed" not in resumed
-    run_tiny(tmp_path / "full", *over, "num_rounds=6", f"clipping.noise_seed={drawn}")
+    run_tiny(tmp_path / "full", *over, "num_rounds=6", f"clipping.noise_seed={drawn}", DEBUG_SEED)
     assert without_wall_time(read_metrics(tmp_path / "resumed")) == without_wall_time(
         read_metrics(tmp_path / "full")
     )
@@ -308,7 +326,7 @@ def test_an_operator_seed_stays_in_the_checkpoint_and_a_resume_without_it_is_the
     """summary.json holds no noise seed (its config says ``<secret>``'s absence); resuming without restating
     the seed takes it from the checkpoint, and the run is the uninterrupted one, bit for bit."""
     seed = "340282366920938463463374607431768211297"
-    over = ["clipping=fixed", "clipping.noise_multiplier=0.5", "checkpoint_every=2"]
+    over = ["clipping=fixed", "clipping.noise_multiplier=0.5", "checkpoint_every=2", DEBUG_SEED]
     part = run_tiny(tmp_path / "part", *over, "num_rounds=4", f"clipping.noise_seed={seed}")
     assert seed not in json.dumps(part) and part["noise_seed_source"] == "operator"
     assert "noise_seed" not in part["config"]["clipping"]
@@ -322,48 +340,75 @@ def test_an_operator_seed_stays_in_the_checkpoint_and_a_resume_without_it_is_the
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.slow
-def test_the_sweep_and_run_folders_hold_the_noise_seed_only_in_the_checkpoint(tmp_path):
-    """Hydra's own files (.hydra/config.yaml, hydra.yaml, overrides.yaml, the sweep's multirun.yaml), summary.json
-    and the sweep summary show ``<secret>`` where the operator's noise seed was."""
+def _sweep(tmp_path, *overrides: str):
     import os
     import subprocess
     import sys
 
     from fedsim.config import FLOWER_ENV
 
-    seed = "340282366920938463463374607431768211297"
     cmd = [sys.executable, "-m", "fedsim", "-m", "num_clients=6", "clients_per_round=3", "num_rounds=1"]
-    cmd += ["clipping=fixed", "clipping.noise_multiplier=1", f"clipping.noise_seed={seed}", "seed=0"]
-    cmd += [f"hydra.sweep.dir={tmp_path}", "progress=lines"]
+    cmd += ["clipping=fixed", "clipping.noise_multiplier=1", DEBUG_SEED, *overrides, "progress=lines"]
+    cmd += [f"hydra.sweep.dir={tmp_path}"]
     done = subprocess.run(cmd, env={**os.environ, **FLOWER_ENV}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_the_sweep_and_run_folders_hold_the_noise_seed_only_in_the_checkpoint(tmp_path):
+    """Two seeds in one multirun: Hydra's own files (.hydra/config.yaml, hydra.yaml, overrides.yaml, the sweep's
+    multirun.yaml), summary.json, the sweep summary and every console line show ``<secret>`` for both; with job
+    folders named by their overrides, no folder name holds one either."""
+    seeds = ["340282366920938463463374607431768211297", "170141183460469231731687303715884105757"]
+    out = _sweep(tmp_path / "two", f"clipping.noise_seed={','.join(seeds)}", "seed=0")
+    out += _sweep(
+        tmp_path / "named",
+        f"clipping.noise_seed={seeds[0]}",
+        "seed=0,1",
+        "hydra.sweep.subdir=${hydra.job.override_dirname}",
+    )
     files = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "checkpoint.pt"]
     names = {p.name for p in files}
     assert {"multirun.yaml", "overrides.yaml", "config.yaml", "hydra.yaml", "summary.json"} <= names, names
-    leaking = [str(p.relative_to(tmp_path)) for p in files if seed.encode() in p.read_bytes()]
-    assert not leaking
+    assert "sweep_summary.csv" in names and len(list(tmp_path.rglob("checkpoint.pt"))) == 4  # every job ran
+    for seed in seeds:
+        assert not [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if seed in str(p)]
+        assert not [str(p.relative_to(tmp_path)) for p in files if seed.encode() in p.read_bytes()]
+        assert seed not in out
     assert "clipping.noise_seed=<secret>" in next(tmp_path.rglob("overrides.yaml")).read_text()
+    assert "clipping.noise_seed=<secret>" in out  # the launcher's line for each job, redacted
 
 
 # ---------------------------------------------------------------- 4. operator-set noise seeds and their export
-@pytest.mark.parametrize("noise_seed", [1, 4321, 2**63 - 1])
-def test_a_guessable_noise_seed_is_refused_in_one_line(noise_seed):
+@pytest.mark.parametrize("noise_seed", [1, 4321, 2**63 - 1, 2**63 + 4321, 2**127 + 12345])
+def test_an_operator_noise_seed_is_refused_in_one_line_outside_the_debug_mode(noise_seed):
+    """Length is not entropy: 2**63 + 4321 was found by trying 2**63 .. 2**63 + 9999. A DP run draws its seed
+    from the OS; the refusal does not print the value (it would be in the console and the logs)."""
     from fedsim.errors import ConfigError
 
-    with pytest.raises(ConfigError) as err:
-        FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_multiplier=1.0, noise_seed=noise_seed)
-    assert str(err.value).startswith(f"noise_seed={noise_seed} is not allowed") and "\n" not in str(err.value)
-    assert "64 bits" in str(err.value) and "debug_noise_seed" in str(err.value)
+    for noise in (1.0, 0.0):
+        with pytest.raises(ConfigError) as err:
+            FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_multiplier=noise, noise_seed=noise_seed)
+        msg = str(err.value)
+        assert msg.startswith("noise_seed='<secret>' is not allowed") and "\n" not in msg
+        assert (noise_seed < 10**4 or str(noise_seed) not in msg) and "debug_noise_seed" in msg
+    with pytest.raises(ConfigError):
+        AdaptiveClipping(FedAvg(**flower_kwargs()), 20, 4, noise_multiplier=1.0, noise_seed=noise_seed)
 
 
-def test_a_64_bit_noise_seed_runs_and_debug_noise_seed_accepts_a_short_one_with_a_warning(caplog):
-    kw = {"noise_multiplier": 1.0}
-    FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=2**63, **kw)  # 64 bits: accepted quietly
-    assert "debug_noise_seed" not in caplog.text
-    s = FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=1, debug_noise_seed=True, **kw)
-    assert s.noise_seed == 1 and "debug_noise_seed=true" in caplog.text and "does not hold" in caplog.text
-    FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=1)  # without noise there is nothing to guess
+def test_debug_noise_seed_accepts_an_operator_seed_with_a_warning_and_null_draws_128_bits(caplog):
+    kw = {"noise_multiplier": 1.0, "debug_noise_seed": True}
+    for seed in (1, 2**63 + 4321):
+        caplog.clear()
+        s = FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_seed=seed, **kw)
+        assert (
+            s.noise_seed == seed and "debug_noise_seed=true" in caplog.text and "does not hold" in caplog.text
+        )
+    drawn = {
+        FixedClipping(FedAvg(**flower_kwargs()), 20, 4, noise_multiplier=1.0).noise_seed for _ in range(3)
+    }
+    assert len(drawn) == 3 and max(d.bit_length() for d in drawn) > 120  # OS entropy, 128 bits
 
 
 def test_no_logger_or_callback_receives_the_noise_seed():
@@ -397,10 +442,50 @@ def test_an_mlflow_run_with_an_operator_seed_holds_neither_the_seed_nor_its_key(
     from mlflow.tracking import MlflowClient
 
     secret = seed_where(lambda s: min(s) >= 1, 6, 3, 2)
-    run_tiny(tmp_path, *DP, f"clipping.noise_seed={secret}", "logger=mlflow", "checkpoint_every=2")
+    run_tiny(
+        tmp_path, *DP, f"clipping.noise_seed={secret}", DEBUG_SEED, "logger=mlflow", "checkpoint_every=2"
+    )
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name("fedsim").experiment_id])
     assert run.data.params["clipping.noise_multiplier"] == "1.0"  # the config was logged ...
     assert "clipping.noise_seed" not in run.data.params  # ... without the seed
     assert str(secret).encode() not in (tmp_path / "mlflow.db").read_bytes()
     assert "noise_seed" not in json.loads((tmp_path / "summary.json").read_text())
+
+
+@pytest.mark.parametrize(
+    "given, shown",
+    [
+        ("- clipping.noise_seed=123,456", "- clipping.noise_seed=<secret>"),
+        ("#0 : clipping.noise_seed=123 seed=0", "#0 : clipping.noise_seed=<secret> seed=0"),
+        ("clipping.noise_seed=choice(123, 456) seed=0", "clipping.noise_seed=<secret> seed=0"),
+        ("clipping.noise_seed=range(100,200)", "clipping.noise_seed=<secret>"),
+        (
+            "override_dirname: clipping.noise_seed=123,seed=0",
+            "override_dirname: clipping.noise_seed=<secret>,seed=0",
+        ),
+        ("  noise_seed: 123", "  noise_seed: <secret>"),
+        ("debug_noise_seed=true", "debug_noise_seed=true"),
+    ],
+)
+def test_every_value_of_a_swept_secret_is_redacted(given, shown):
+    """``cli.hide_secrets``' pattern stopped at the first comma: the second seed of ``A,B`` stayed."""
+    from fedsim import cli
+
+    assert schema.redact_text(given) == shown
+    record = logging.LogRecord("hydra", logging.INFO, __file__, 1, "\t#%d : %s", (0, given), None)
+    cli.redact_logs()  # what the command does first: every log record of the process is redacted
+    made = logging.getLogRecordFactory()("hydra", logging.INFO, __file__, 1, "\t#%d : %s", (0, given), None)
+    assert made.getMessage() == f"\t#0 : {shown}" and record.getMessage() == f"\t#0 : {given}"
+
+
+def test_a_sweep_over_a_secret_with_folders_named_by_their_overrides_is_refused_in_one_line(tmp_path):
+    from helpers import fedsim_cli
+
+    res = fedsim_cli(
+        "-m", "clipping=fixed", "clipping.noise_seed=2,3", "clipping.debug_noise_seed=true",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}", "hydra.sweep.subdir=${hydra.job.override_dirname}", cwd=tmp_path,
+    )  # fmt: skip
+    assert res.returncode == 2 and res.stderr.strip().count("\n") == 0, res.stderr[-2000:]
+    assert "hydra.sweep.subdir" in res.stderr and "hydra.job.num" in res.stderr
+    assert not (tmp_path / "sweep").exists()

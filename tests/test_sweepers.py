@@ -227,3 +227,40 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0].lower()
     except (OSError, IndexError):
         return "zombie"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, status", [("job", 1), ("group", 143)])
+def test_sigterm_while_a_submitit_job_still_imports_is_one_line(tmp_path, target, status):
+    """SIGTERM to a submitit_local job process (or to the whole process group) before the job has imported
+    fedsim: the job ends without a result, and the command says so in one line instead of submitit's traceback."""
+    import os
+    import signal
+    import time
+
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc = fedsim_cli(
+        "-m", "hydra/launcher=submitit_local", "seed=0,1", "hydra.sweep.dir=sweep", *TINY[:2], "quiet=true",
+        cwd=tmp_path, background=True, start_new_session=True,
+    )  # fmt: skip
+    job = None
+    deadline = time.monotonic() + 120
+    while job is None and time.monotonic() < deadline and proc.poll() is None:
+        for entry in Path("/proc").iterdir():  # the job process, as soon as it exists: it is still importing
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"submitit.core._submit" in cmd and str(tmp_path).encode() in cmd:
+                job = int(entry.name)
+                break
+        time.sleep(0.02)
+    assert job is not None, proc.communicate()[1][-3000:]
+    if target == "job":
+        os.kill(job, signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == status and "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("fedsim: "), err[-3000:]

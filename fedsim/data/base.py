@@ -50,6 +50,8 @@ class Dataset:
                 f"a data set of 1 to {MAX_CLASSES} classes (it declares {self.num_classes!r})",
                 "A label far above the others (a damaged file?) makes that many classes; check the labels.",
             )
+        for split in ("x_train", "x_test"):
+            check_features(getattr(self, split), getattr(self, "y" + split[1:]), self.name, split)
         for split in ("y_train", "y_test"):
             if self.targets == "values":
                 check_values(getattr(self, split), "dataset", self.name, f"its {split}")
@@ -62,6 +64,29 @@ class Dataset:
         if self.targets != "values":
             return self.y_train
         return value_bins(self.y_train, bins)
+
+
+def check_features(x: object, y: object, name: str, split: str) -> None:
+    """Refuse features a model cannot take as they are: none at all, complex numbers (casting drops the
+    imaginary part), non-numbers, or a length other than the labels'."""
+    x = np.asarray(x) if not hasattr(x, "shape") else x
+    n = x.shape[0] if len(x.shape) else 0
+    if n == 0:
+        raise ConfigError("dataset", name, f"a data set with examples in {split}", f"Its {split} holds 0.")
+    dtype = getattr(x, "dtype", None)
+    if isinstance(dtype, np.dtype) and (
+        np.iscomplexobj(x) or not (np.issubdtype(dtype, np.number) or dtype.kind == "b")
+    ):
+        raise ConfigError(
+            "dataset",
+            name,
+            f"real-valued features (float or int) in {split}",
+            f"Got {dtype}: convert them first.",
+        )
+    if len(y) != n:
+        raise ConfigError(
+            "dataset", name, f"one label per example in {split}", f"Got {n} examples, {len(y)} labels."
+        )
 
 
 def value_bins(values: np.ndarray, bins: int = 10) -> np.ndarray:
