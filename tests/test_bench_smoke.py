@@ -98,3 +98,46 @@ def test_host_work_bench_times_its_pieces_and_the_per_client_slope(tmp_path):
     )
     assert "host, 2 clients" in out and "host, 4 clients" in out
     assert "(idle) host work per added client, a / b:" in out
+
+
+def _gpu_check():
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("gpu_check")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _judged(lines: list[str]) -> list[str]:
+    return [ln for ln in lines if "goal <=" in ln]
+
+
+def test_gpu_targets_are_not_measured_without_a_gpu():
+    g = _gpu_check()
+    fast = {"rounds": [1.0, 0.1, 0.1], "busy_rounds": 0.95}  # fedsim as fast as its limits: every target met
+    results = {name: dict(fast) for _, ours, limit, _, _ in g.TARGETS for name in (ours, limit)}
+    on_gpu, missed_gpu = g.targets(results, on_gpu=True)
+    assert len(_judged(on_gpu)) == 5 and all(ln.endswith(": met)") for ln in _judged(on_gpu))
+    assert missed_gpu == 0
+    dry, missed = g.targets(results, on_gpu=False)
+    assert len(_judged(dry)) == 5 and missed == 5
+    assert all("not measured: no GPU" in ln and "met)" not in ln for ln in _judged(dry))
+    # on a GPU: a target without its timing or without a GPU busy figure is not measured either
+    no_busy = {**results, "time-vectorized": {"rounds": [1.0, 0.1, 0.1]}}
+    del no_busy["real-limit-graph"]
+    lines = _judged(g.targets(no_busy, on_gpu=True)[0])
+    assert sum("not measured: no GPU busy figure" in ln for ln in lines) == 1
+    assert sum("not measured: no timing" in ln for ln in lines) == 2
+    assert sum(ln.endswith(": met)") for ln in lines) == 2
+
+
+@pytest.mark.slow  # runs two dry-run timings of the GPU check in a fresh process (about 5 s)
+def test_gpu_check_dry_run_judges_no_gpu_target():
+    out = _run(str(BENCH / "gpu_check.py"), "--dry-run", "--only", "time-vectorized,time-limit-eager")
+    section = out.split("4. speed targets")[1]
+    judged = _judged(section.splitlines())
+    assert len(judged) == 5
+    assert all("not measured: no GPU (CPU dry run)" in ln for ln in judged)
+    assert " met" not in section and "NOT met" not in section
