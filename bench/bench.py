@@ -13,6 +13,7 @@ against the plain torch loop and against vanilla Flower. ``bench/scale.py`` reus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -42,9 +43,15 @@ VARIANTS = {
 
 
 # ----------------------------------------------------------------------------------------- child side
-def fedsim_child(overrides: list[str]) -> dict:
+def fedsim_child(overrides: list[str], as_user: bool = False) -> dict:
     """Run the ``fedsim`` command (``fedsim.cli.main``, as a user's shell does) with ``overrides`` in this process;
-    per-round times and accuracy from its run folder, and how long the data set and the partitions took."""
+    per-round times and accuracy from its run folder, and how long the data set and the partitions took.
+
+    ``as_user``: the command as a user runs it (progress lines, ``metrics.jsonl``, ``checkpoint.pt`` every
+    ``checkpoint_every`` rounds), and a round's time is from the end of one round's recording (``Run.on_round``)
+    to the end of the next, in wall and round-thread CPU seconds (``rounds_wall``, ``rounds_cpu``); otherwise
+    quiet, no checkpoints, and the loop's ``round_time``. With ``BENCH_SAVE`` set, the final model is saved
+    there (``torch.save``)."""
     import functools
     import shutil
 
@@ -76,8 +83,10 @@ def fedsim_child(overrides: list[str]) -> dict:
         server.time = types.SimpleNamespace(
             perf_counter=time.thread_time, monotonic=time.monotonic, sleep=time.sleep, time=time.time
         )
+    marks = _mark_rounds() if as_user else None
     out = Path(tempfile.mkdtemp(prefix="fedsim-bench-"))
-    sys.argv = ["fedsim", *overrides, "quiet=true", "checkpoint_every=0", f"hydra.run.dir={out}"]
+    quiet = [] if as_user else ["quiet=true", "checkpoint_every=0"]
+    sys.argv = ["fedsim", *overrides, *quiet, f"hydra.run.dir={out}"]
     try:
         cli.main()
         recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -85,15 +94,49 @@ def fedsim_child(overrides: list[str]) -> dict:
         model = torch.load(out / "model.pt")
     finally:
         shutil.rmtree(out, ignore_errors=True)
+    if os.environ.get("BENCH_SAVE"):
+        torch.save(model, os.environ["BENCH_SAVE"])
     res = {
-        "rounds": [r["round_time"] for r in recs if r["round"] > 0],
+        "rounds": [r["round_time"] for r in recs if r["round"] > 0] if marks is None else marks.rounds(),
         "accuracy": summary["final_eval_accuracy"],
         **built,
         "model_norm": float(sum(float((v.double() ** 2).sum()) for v in model.values()) ** 0.5),
     }
+    if marks is not None:
+        res.update(rounds_wall=marks.rounds("wall"), rounds_cpu=marks.rounds("cpu"))
     if torch.cuda.is_available():
         res["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     return res
+
+
+class _Marks:
+    """Wall and round-thread CPU clocks at the end of every round's recording (``_mark_rounds``)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def rounds(self, clock_name: str | None = None) -> list[float]:
+        """Per-round times (the round and its recording), in ``clock_name`` (default: :func:`clock`'s)."""
+        kind = clock_name or ("cpu" if os.environ.get("BENCH_CLOCK") == "cpu" else "wall")
+        t = self.cpu if kind == "cpu" else self.wall
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def _mark_rounds() -> _Marks:
+    """Time each round as a user's run spends it: ``fedsim.run.Run.on_round`` (metrics.jsonl, progress line,
+    checkpoint) wrapped to note both clocks when it returns; round 0 (the initial evaluation) starts round 1."""
+    from fedsim import run
+
+    marks, on_round = _Marks(), run.Run.on_round
+
+    def noted(self, record, state):
+        on_round(self, record, state)
+        marks.wall.append(time.perf_counter())
+        marks.cpu.append(time.thread_time())
+
+    run.Run.on_round = noted
+    return marks
 
 
 class TimedSink(dict):
@@ -361,6 +404,147 @@ def batched_fedavg(
     return _result(times, acc, glob, start)
 
 
+def tight_fedavg(
+    ds, parts, factory, *, seed: int, per_round: int, rounds: int, epochs: int, batch_size: int, lr: float
+) -> dict:
+    """The tightest round written by hand (CPU, MLPs): FedAvg of a cohort trained as one batched MLP whose backward
+    is written out, as ``fedsim.engines.dense`` writes it, with nothing per step but the step's tensor operations.
+
+    Each round: the cohort's seeded batch orders (``fedsim.seeds.torch_generators``, the seeds fedsim's clients
+    use), the gather index and loss weights scattered from patterns cached per partition size (step, slot and
+    weight of every example of ``epochs`` passes), the whole round's batches gathered at once ``(steps, clients,
+    width, features)`` with one-hot targets premultiplied by ``lr`` and the weights; clients sorted by step count,
+    so step ``t`` trains only those still training (a prefix: no padded client steps). A step: the forward as one
+    ``baddbmm`` a layer, ``lr * dloss/dlogits = lr * w * (softmax - onehot)``, per layer the bias update, the
+    gradient into the layer below (before the weight moves), ``threshold_backward`` for a ReLU and the weight
+    update as one in-place ``baddbmm_``. The clients' mean train losses are summed (fedsim reports them); then
+    the float64 example-weighted mean and the evaluation (loss and accuracy) of the new global model."""
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    from fedsim.models import build_model
+    from fedsim.seeds import torch_generators
+
+    torch.set_num_threads(1)
+    model = build_model(factory, ds.input_shape, ds.num_classes, seed=seed)
+    linears = [n for n, m in model.named_children() if type(m) is nn.Linear]
+    if not all(type(m) in (nn.Flatten, nn.Linear, nn.ReLU) for m in model):
+        raise ValueError("tight_fedavg: a Sequential of Flatten, Linear and ReLU layers only")
+    xt = torch.as_tensor(ds.x_test).flatten(1)
+    yt = torch.as_tensor(ds.y_test)
+    glob = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = [
+        torch.as_tensor(ds.x_train[p]).flatten(1) for p in parts
+    ]  # what the clients hold (as a task does)
+    labels = [torch.as_tensor(ds.y_train[p]) for p in parts]
+    patterns: dict[int, tuple] = {}
+    times_wall, times_cpu, acc = [], [], None
+    for rnd in range(1, rounds + 1):
+        w0, c0 = time.perf_counter(), time.thread_time()
+        cohort = sorted(
+            int(p) for p in np.random.default_rng([seed, 1, rnd]).choice(len(parts), per_round, False)
+        )
+        gens = torch_generators([(seed, 3, rnd, pid) for pid in cohort])
+        orders = [
+            torch.cat([torch.randperm(len(labels[p]), generator=g) for _ in range(epochs)])
+            for p, g in zip(cohort, gens)
+        ]
+        batch = _tight_batches(cohort, orders, data, labels, patterns, epochs, batch_size, lr, ds.num_classes)
+        params = [(glob[f"{n}.weight"], glob[f"{n}.bias"]) for n in linears]
+        params = [tuple(t.unsqueeze(0).expand(len(cohort), *t.shape).clone() for t in wb) for wb in params]
+        _tight_steps(params, *batch)  # (returns the clients' summed losses, as fedsim reports them)
+        sizes = batch[-1]
+        w64 = torch.tensor(sizes, dtype=torch.float64) / sum(sizes)
+        for n, (w, b) in zip(linears, params):
+            glob[f"{n}.weight"] = torch.tensordot(w64, w.double(), dims=1).float()
+            glob[f"{n}.bias"] = torch.tensordot(w64, b.double(), dims=1).float()
+        h = xt
+        for j, n in enumerate(linears):
+            h = F.linear(h, glob[f"{n}.weight"], glob[f"{n}.bias"])
+            h = torch.relu(h) if j < len(linears) - 1 else h
+        eval_loss, acc = float(F.cross_entropy(h, yt)), float((h.argmax(1) == yt).float().mean())
+        times_wall.append(time.perf_counter() - w0)
+        times_cpu.append(time.thread_time() - c0)
+    res = _result(times_wall if os.environ.get("BENCH_CLOCK") != "cpu" else times_cpu, acc, glob, 0.0)
+    res.update(
+        rounds_wall=times_wall,
+        rounds_cpu=times_cpu,
+        eval_loss=eval_loss,
+        model=glob,
+    )
+    return res
+
+
+def _tight_pattern(n: int, epochs: int, batch_size: int) -> tuple:
+    """Step, slot and loss weight of each of ``epochs`` passes' ``n`` positions, and the number of steps."""
+    import numpy as np
+
+    b = max(1, n if batch_size <= 0 else min(batch_size, n))  # a client without examples takes no step
+    lens = np.array([min(b, n - s) for s in range(0, n, b)] * epochs, dtype=np.int64)
+    first = np.cumsum(lens) - lens
+    step = np.repeat(np.arange(len(lens)), lens)
+    return step, np.arange(len(step)) - np.repeat(first, lens), np.repeat(1.0 / lens, lens), len(lens), b
+
+
+def _tight_batches(cohort, orders, data, labels, patterns, epochs, batch_size, lr, classes) -> tuple:
+    """A round's batches: the inputs ``(steps, clients, width, features)``, ``lr * w`` and ``lr * w * onehot``,
+    the clients still training at each step, the cohort's order (most steps first) and partition sizes."""
+    import numpy as np
+    import torch
+
+    sizes = [len(labels[p]) for p in cohort]
+    for n in set(sizes) - set(patterns):
+        patterns[n] = _tight_pattern(n, epochs, batch_size)
+    rank = sorted(range(len(cohort)), key=lambda i: -patterns[sizes[i]][3])  # most steps first
+    pats = [patterns[sizes[i]] for i in rank]
+    k, steps, width = len(rank), pats[0][3], max(pt[4] for pt in pats)
+    counts = np.array([len(pt[0]) for pt in pats])
+    where = (np.concatenate([pt[0] for pt in pats]) * k + np.repeat(np.arange(k), counts)) * width
+    where += np.concatenate([pt[1] for pt in pats])
+    x = torch.cat([data[cohort[i]] for i in rank])
+    y = torch.cat([labels[cohort[i]] for i in rank])
+    offsets = np.cumsum([0, *(sizes[i] for i in rank)])[:-1]
+    gather = np.zeros(steps * k * width, dtype=np.int64)
+    gather[where] = torch.cat([orders[i] for i in rank]).numpy() + np.repeat(offsets, counts)
+    weight = np.zeros(steps * k * width, dtype=np.float32)
+    weight[where] = lr * np.concatenate([pt[2] for pt in pats])
+    idx = torch.from_numpy(gather).view(steps, k, width)
+    lw = torch.from_numpy(weight).view(steps, k, width, 1)
+    target = torch.zeros(steps, k, width, classes).scatter_(-1, y[idx].unsqueeze(-1), 1.0).mul_(lw)
+    ends = np.cumsum(np.bincount([pt[3] for pt in pats], minlength=steps + 1))
+    active = (k - ends[:steps]).tolist()  # clients still training at each step (a prefix: sorted)
+    return x[idx], lw, target, active, [sizes[i] for i in rank]
+
+
+def _tight_steps(params, xs, lw, target, active, sizes):
+    """Every step of the round in place on the stacked ``params`` (``(weight, bias)`` per linear layer, the
+    clients in ``active`` order); the clients' summed mean losses."""
+    import torch
+
+    k = xs.shape[1]
+    loss = torch.zeros(k, dtype=torch.float64)
+    last = len(params) - 1
+    thr = torch.ops.aten.threshold_backward
+    for t, kt in enumerate(active):
+        hs = [xs[t, :kt]]
+        for j, (w, b) in enumerate(params):
+            h = torch.baddbmm(b[:kt].unsqueeze(1), hs[-1], w[:kt].transpose(1, 2))
+            hs.append(h.relu_() if j < last else h)
+        logp = torch.log_softmax(hs[-1], -1)
+        tt = target[t, :kt]
+        loss[:kt] -= (logp * tt).sum((1, 2)).double()
+        g = logp.exp_().mul_(lw[t, :kt]).sub_(tt)  # lr * d loss / d logits
+        for j in range(last, -1, -1):
+            w, b = params[j]
+            b[:kt].sub_(g.sum(1))
+            below = thr(torch.bmm(g, w[:kt]), hs[j], 0) if j else None
+            w[:kt].baddbmm_(g.transpose(1, 2), hs[j], alpha=-1.0)
+            g = below
+    return loss
+
+
 class _StepGraph:
     """One SGD step of ``k`` stacked clients captured as a CUDA graph (``batched_fedavg(graph=True)``)."""
 
@@ -425,8 +609,12 @@ def skip_noop_numerics() -> None:
     build.set_numerics = set_numerics
 
 
-def child(variant: str, rounds: int) -> dict:
-    """Run one variant of the default experiment in this process; return its figures."""
+def child(variant: str, rounds: int, scenario: str = "default") -> dict:
+    """Run one variant of the default experiment (``tight`` and ``fedsim``: of ``scenario``) in this process."""
+    if variant == "tight":
+        return tight_child(scenario, rounds)
+    if variant == "fedsim":  # the default engine, as a user runs it
+        return fedsim_child([*TIGHT[scenario][1], f"num_rounds={rounds}"], as_user=True)
     if variant.endswith("+P7"):  # a proposal measured by monkeypatching (see skip_noop_numerics)
         skip_noop_numerics()
         variant = variant.removesuffix("+P7")
@@ -583,8 +771,14 @@ class BusyNeighbour:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--variants", default="auto,vectorized,inprocess,inprocess-w2,ray,flower,torch,batched")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per variant (median reported)")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="the engines' table (e.g. auto,vectorized,inprocess,inprocess-w2,ray,flower,torch,batched); "
+        "without it: the tight limit against fedsim (--scenarios)",
+    )
+    ap.add_argument("--scenarios", default=",".join(TIGHT), help=f"tight comparison: {', '.join(TIGHT)}")
+    ap.add_argument("--repeat", type=int, default=None, help="runs per variant (default: 1; tight: 3)")
     ap.add_argument(
         "--load",
         default="idle,busy",
@@ -597,17 +791,25 @@ def main() -> None:
         help="round times in wall seconds, or CPU seconds of the round's thread (steadier on a shared machine)",
     )
     ap.add_argument("--child")
+    ap.add_argument("--scenario", default="default", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.rounds)))
+        print(json.dumps(child(args.child, args.rounds, args.scenario)))
         return
     ENV["BENCH_CLOCK"] = args.clock
+    if args.variants is None:
+        tight_compare(args.rounds, args.repeat or 3, args.scenarios.split(","), args.load.split(","))
+        return
+    table(args.rounds, args.repeat or 1, args.variants.split(","), args.load.split(","), args.clock)
+
+
+def table(rounds: int, repeat: int, variants: list[str], loads: list[str], clock_name: str) -> None:
+    """The engines' table: every variant of the default experiment in fresh processes, idle and busy."""
     before = machine_line()
-    loads = args.load.split(",")
-    runs: dict[tuple[str, str], list[dict]] = {(ld, v): [] for ld in loads for v in args.variants.split(",")}
-    for _ in range(args.repeat):  # repeats interleaved: a change in the machine's load hits every variant
+    runs: dict[tuple[str, str], list[dict]] = {(ld, v): [] for ld in loads for v in variants}
+    for _ in range(repeat):  # repeats interleaved: a change in the machine's load hits every variant
         for ld, v in runs:
-            argv = [__file__, "--child", v, "--rounds", str(args.rounds)]
+            argv = [__file__, "--child", v, "--rounds", str(rounds)]
             if ld == "busy":
                 with BusyNeighbour():
                     runs[ld, v].append(run_child(argv))
@@ -615,9 +817,9 @@ def main() -> None:
                 runs[ld, v].append(run_child(argv))
     rows = [("default" if ld == "idle" else f"default+{ld}", v, summarise(r)) for (ld, v), r in runs.items()]
     print(
-        f"\ndefault experiment (digits, MLP, 20 clients, 10 per round, {args.rounds} rounds); each variant in a "
-        f"fresh process, median of {args.repeat}; before: {before}; after: {machine_line()}; default+busy: beside "
-        f"a process spinning on every core; round times: {args.clock} clock"
+        f"\ndefault experiment (digits, MLP, 20 clients, 10 per round, {rounds} rounds); each variant in a "
+        f"fresh process, median of {repeat}; before: {before}; after: {machine_line()}; default+busy: beside "
+        f"a process spinning on every core; round times: {clock_name} clock"
     )
     print("\n".join(format_rows(rows)))
     print(
@@ -628,6 +830,139 @@ def main() -> None:
     )
     for sc in dict.fromkeys(sc for sc, _, _ in rows):
         print("\n".join(goals(rows, sc)))
+
+
+# ------------------------------------------------------------------------ the tight limit against fedsim
+TIGHT = {  # scenario -> (title, fedsim overrides)
+    "default": ("default experiment (digits, MLP, 20 clients, 10 a round)", []),
+    "k1000": (
+        "1,000 clients, 100 a round, MLP, synthetic 1x28x28 images (60,000; 2,000 test)",
+        [
+            "dataset=synthetic_images",
+            "dataset.num_test=2000",
+            "model=mlp",
+            "num_clients=1000",
+            "clients_per_round=100",
+        ],
+    ),
+}
+TIGHT_GOALS = {"idle": ("wall", 0.85), "busy": ("cpu", 0.7)}  # load -> (clock judged, least tight / fedsim)
+AGREE = 1e-6  # the largest difference allowed between fedsim's final model and the tight limit's
+
+
+def tight_child(scenario: str, rounds: int) -> dict:
+    """The tight limit on ``scenario``'s data, partitions, model and local training, built as fedsim builds them."""
+    import torch
+
+    from fedsim import build
+    from fedsim.config import compose
+
+    cfg = compose(*TIGHT[scenario][1], f"num_rounds={rounds}")
+    spec = json.loads(build.client_spec(cfg, device="cpu"))
+    local = build.local_training(spec)
+    res = tight_fedavg(
+        build.build_dataset(spec),
+        build.build_partitions(spec)[0],
+        build.model_factory(spec),
+        seed=int(cfg.seed),
+        per_round=int(cfg.clients_per_round),
+        rounds=rounds,
+        epochs=local.local_epochs,
+        batch_size=local.batch_size,
+        lr=local.lr,
+    )
+    if os.environ.get("BENCH_SAVE"):
+        torch.save(res.pop("model"), os.environ["BENCH_SAVE"])
+    res.pop("model", None)
+    return res
+
+
+def _amortised(rounds: list[float]) -> float | None:
+    """A run's time per round: the mean of rounds 2..R (a checkpoint every N rounds counts at its share)."""
+    rest = rounds[1:]
+    return sum(rest) / len(rest) if rest else None
+
+
+def _max_diff(a: str, b: str) -> float:
+    import torch
+
+    ma, mb = torch.load(a), torch.load(b)
+    if set(ma) != set(mb):
+        return float("inf")
+    return max(float((ma[k].double() - mb[k].double()).abs().max()) for k in ma)
+
+
+def tight_compare(rounds: int, repeat: int, scenarios: list[str], loads: list[str]) -> None:
+    """fedsim's default command (as a user runs it) and the tight limit, interleaved pairs in fresh processes, on
+    each scenario and load; exits non-zero when a pair's final models differ by more than :data:`AGREE`."""
+    unknown = [sc for sc in scenarios if sc not in TIGHT]
+    if unknown:
+        sys.exit(f"--scenarios {unknown[0]!r}: expected a comma list of {', '.join(TIGHT)}")
+    before = machine_line()
+    runs: dict[tuple, list[dict]] = {}
+    diffs: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(repeat):
+            for sc in scenarios:
+                for ld in loads:
+                    order = ("fedsim", "tight") if r % 2 == 0 else ("tight", "fedsim")
+                    for v in order:
+                        ENV["BENCH_SAVE"] = f"{tmp}/{sc}-{v}.pt"
+                        argv = [__file__, "--child", v, "--scenario", sc, "--rounds", str(rounds)]
+                        with BusyNeighbour() if ld == "busy" else contextlib.nullcontext():
+                            runs.setdefault((sc, ld, v), []).append(run_child(argv))
+                    if sc not in diffs and all("error" not in runs[sc, ld, v][-1] for v in order):
+                        diffs[sc] = _max_diff(f"{tmp}/{sc}-fedsim.pt", f"{tmp}/{sc}-tight.pt")
+        ENV.pop("BENCH_SAVE", None)
+    print(
+        f"\nthe tight limit (bench.tight_fedavg) / fedsim per round, {rounds} rounds, {repeat} interleaved pairs "
+        f"of fresh processes; fedsim as a user runs it (progress lines, metrics.jsonl, checkpoint.pt every 10 "
+        f"rounds; a round from the end of one round's recording to the end of the next); per run the mean of "
+        f"rounds 2..R; before: {before}; after: {machine_line()}"
+    )
+    print("\n".join(tight_lines(runs, scenarios, loads, diffs)))
+    bad = {sc: d for sc, d in diffs.items() if not d <= AGREE}
+    if bad or len(diffs) < len(scenarios):
+        sys.exit(f"tight limit and fedsim: final models differ by {bad} (allowed {AGREE}) or a run failed")
+
+
+def tight_lines(runs: dict, scenarios: list[str], loads: list[str], diffs: dict) -> list[str]:
+    """The table of :func:`tight_compare`: per scenario and load, both round times and ratios, goals met or not."""
+    lines = [
+        f"{'scenario':<10}{'load':<6}{'fedsim ms':>11}{'tight ms':>10}{'tight/fedsim':>16}"
+        f"{'fedsim ms':>11}{'tight ms':>10}{'tight/fedsim':>16}",
+        f"{'':<16}{'wall clock':>37}{'round thread CPU clock':>37}  ratio: min / median of the pairs",
+    ]
+    goal_lines = []
+    for sc in scenarios:
+        for ld in loads:
+            fed, tig = runs.get((sc, ld, "fedsim"), []), runs.get((sc, ld, "tight"), [])
+            pairs = [(f, t) for f, t in zip(fed, tig) if "error" not in f and "error" not in t]
+            if not pairs:
+                errs = [x["error"] for x in fed + tig if "error" in x]
+                lines.append(f"{sc:<10}{ld:<6}failed: {errs[-1] if errs else 'no run'}")
+                continue
+            row, ratios = f"{sc:<10}{ld:<6}", {}
+            for clk in ("wall", "cpu"):
+                f_s = [_amortised(f[f"rounds_{clk}"]) for f, _ in pairs]
+                t_s = [_amortised(t[f"rounds_{clk}"]) for _, t in pairs]
+                ratios[clk] = [t / f for f, t in zip(f_s, t_s)]
+                rr = ratios[clk]
+                row += f"{1e3 * statistics.median(f_s):11.2f}{1e3 * statistics.median(t_s):10.2f}"
+                row += f"{min(rr):8.2f} /{statistics.median(rr):5.2f}"
+            lines.append(row)
+            clk, least = TIGHT_GOALS.get(ld, ("wall", 0.85))
+            got = min(ratios[clk])
+            goal_lines.append(
+                f"({sc}, {ld}) tight limit / fedsim per round, {clk} clock: min {got:.2f}, median "
+                f"{statistics.median(ratios[clk]):.2f} (goal >= {least}: {'met' if got >= least else 'NOT met'})"
+            )
+    agree = ", ".join(f"{sc} {d:.1e}" for sc, d in diffs.items())
+    return [
+        *lines,
+        f"final models, largest difference fedsim vs tight (allowed {AGREE}): {agree}",
+        *goal_lines,
+    ]
 
 
 def goals(rows: list[tuple[str, str, dict]], scenario: str, round_goal: float = 0.9) -> list[str]:
