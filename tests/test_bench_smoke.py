@@ -141,3 +141,52 @@ def test_gpu_check_dry_run_judges_no_gpu_target():
     assert len(judged) == 5
     assert all("not measured: no GPU (CPU dry run)" in ln for ln in judged)
     assert " met" not in section and "NOT met" not in section
+
+
+def _bench():
+    import importlib
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module("bench")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_tight_limit_trains_what_per_client_sgd_trains():
+    """The tight limit's written-out batched steps give plain per-client torch SGD's model (autograd, one client
+    at a time: an independent oracle), partial batches, clients of different step counts and FedAvg included."""
+    import numpy as np
+
+    from fedsim.data.digits import load_digits
+    from fedsim.data.partition import dirichlet
+    from fedsim.models import mlp
+
+    b = _bench()
+    ds = load_digits(seed=0)
+    parts = dirichlet(ds.y_train, 12, np.random.default_rng([0, 7]), alpha=0.5)
+    assert len({len(p) for p in parts}) > 3  # clients of different sizes, so of different step counts
+    keep = {}
+    result = b._result
+    b._result = lambda t, a, g, s: (keep.update(glob=g), result(t, a, g, s))[1]
+    try:
+        args = dict(seed=0, per_round=6, rounds=2, epochs=2, batch_size=16, lr=0.1)
+        b.plain_fedavg(ds, parts, mlp, **args)
+        tight = b.tight_fedavg(ds, parts, mlp, **args)
+    finally:
+        b._result = result
+    plain = keep["glob"]
+    assert set(tight["model"]) == set(plain)
+    assert max(float((tight["model"][k] - plain[k]).abs().max()) for k in plain) < 1e-6
+    assert len(tight["rounds_wall"]) == len(tight["rounds_cpu"]) == 2
+
+
+@pytest.mark.slow  # runs fedsim and the tight limit in fresh processes
+def test_default_bench_prints_the_tight_ratio():
+    out = _run(
+        str(BENCH / "bench.py"), "--rounds", "4", "--repeat", "1", "--scenarios", "default", "--load", "idle"
+    )
+    assert "default   idle" in out
+    assert "(default, idle) tight limit / fedsim per round, wall clock: min" in out
+    agree = out.split("largest difference fedsim vs tight (allowed 1e-06): default ")[1]
+    assert float(agree.split(";")[0]) <= 1e-6
