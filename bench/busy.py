@@ -41,7 +41,7 @@ GOAL = 2.0  # the most a busy neighbour may cost a round (wall clock)
 def child(setting: str, rounds: int) -> dict:
     """One run of ``setting`` in this process: its per-round times in both clocks."""
     res = bench.fedsim_child([*SETTINGS[setting], f"num_rounds={rounds}"], as_user=True)
-    return {"wall": res["rounds_wall"], "cpu": res["rounds_cpu"], "accuracy": res["accuracy"]}
+    return {"rounds_wall": res["rounds_wall"], "rounds_cpu": res["rounds_cpu"], "accuracy": res["accuracy"]}
 
 
 def _median_round(rounds: list[float]) -> float:
@@ -66,8 +66,8 @@ def lines(runs: dict, settings: list[str]) -> list[str]:
             continue
         row, judged = f"{s:<22}", {}
         for clk in ("wall", "cpu"):
-            quiet = [_median_round(q[clk]) for q, _ in pairs]
-            busy = [_median_round(b[clk]) for _, b in pairs]
+            quiet = [_median_round(q[f"rounds_{clk}"]) for q, _ in pairs]
+            busy = [_median_round(b[f"rounds_{clk}"]) for _, b in pairs]
             ratios = [b / q for q, b in zip(quiet, busy)]
             row += f"{1e3 * statistics.median(quiet):10.2f}{1e3 * statistics.median(busy):10.2f}"
             row += f"{min(ratios):8.2f} /{statistics.median(ratios):5.2f}"

@@ -190,3 +190,11 @@ def test_default_bench_prints_the_tight_ratio():
     assert "(default, idle) tight limit / fedsim per round, wall clock: min" in out
     agree = out.split("largest difference fedsim vs tight (allowed 1e-06): default ")[1]
     assert float(agree.split(";")[0]) <= 1e-6
+
+
+@pytest.mark.slow  # runs fedsim quiet and beside a busy neighbour in fresh processes
+def test_busy_bench_prints_each_settings_ratio():
+    out = _run(str(BENCH / "busy.py"), "--settings", "auto,vectorized-null", "--rounds", "3", "--repeat", "1")
+    for setting in ("auto", "vectorized-null"):
+        assert f"({setting}) busy / quiet, wall clock, median of the pairs:" in out
+    assert "failed:" not in out
