@@ -6,7 +6,14 @@ the table gives end-to-end wall time, start-up (wall time outside the rounds), t
 2..R, peak memory (max RSS of the process tree, sampled every 0.1 s) and the final accuracy, with ratios
 against the plain torch loop and against vanilla Flower. ``bench/scale.py`` reuses these helpers.
 
-    python bench/bench.py                 # all variants, default experiment (digits, 20 clients, 60 rounds)
+Without ``--variants`` it compares fedsim, run as a user runs it, with the tight limit written by hand
+(:func:`tight_fedavg`) on the default experiment and on 100 of 1,000 MLP clients, quiet and beside a busy
+neighbour, in interleaved pairs of fresh processes, and prints "tight limit / fedsim" per round (min / median
+of the pairs, wall and round-thread CPU clocks); it exits non-zero when the two models differ by more than
+1e-6 after round 3.
+
+    python bench/bench.py                 # the tight limit / fedsim (about 6 minutes)
+    python bench/bench.py --variants auto,vectorized,inprocess,inprocess-w2,ray,flower,torch,batched
     python bench/bench.py --rounds 20 --variants inprocess,vectorized,torch
 """
 
