@@ -10,6 +10,8 @@ typed object checks its own values, and :func:`typed` turns an unknown key or a 
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -79,7 +81,7 @@ class EngineSettings:
 
     name: str = "auto"
     workers: int = 1  # inprocess, auto: 1 sequential, N > 1 worker processes (auto: for unbatched clients)
-    threads: int | None = None  # vectorized, auto: torch threads while a cohort trains (None: all cores)
+    threads: int | None = None  # vectorized, auto: torch threads while a cohort trains (None: free_cores())
     max_cohort: int = 0  # vectorized, auto: at most this many clients per batched step (0: no limit)
     vmap_conv_cpu: bool = False  # vectorized, auto: batch non-Sequential conv nets on the CPU too (vmap)
     address: str | None = None  # ray: join a running cluster ("auto" or HOST:PORT)
@@ -94,3 +96,61 @@ class EngineSettings:
         integer("max_cohort", self.max_cohort, 0, what="an integer >= 0 (0: the whole cohort)")
         integer("num_cpus", self.num_cpus, 1, allow_none=True)
         integer("num_gpus", self.num_gpus, 0, allow_none=True)
+
+
+def usable_cores() -> list[int]:
+    """The cores this process may run on (its CPU affinity; every core where the OS has no affinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def _busy_now(cores: list[int], window: float) -> float | None:
+    """How many of ``cores`` other processes kept busy over ``window`` seconds while this thread slept
+    (``/proc/stat``'s per-core busy ticks), or None where there is no ``/proc/stat``."""
+
+    def ticks() -> dict[str, tuple[int, int]]:  # core -> (busy, total)
+        out = {}
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3:4].isdigit():
+                    name, *vals = line.split()
+                    v = [int(x) for x in vals[:8]]
+                    out[name] = (sum(v) - v[3] - v[4], sum(v))  # all but idle and iowait
+        return out
+
+    try:
+        before = ticks()
+        time.sleep(window)
+        after = ticks()
+    except (OSError, ValueError, IndexError):
+        return None
+    busy = 0.0
+    for c in cores:
+        a, b = before.get(f"cpu{c}"), after.get(f"cpu{c}")
+        if a and b and b[1] > a[1]:
+            busy += (b[0] - a[0]) / (b[1] - a[1])
+    return busy
+
+
+def free_cores(window: float = 0.1) -> int:
+    """The usable cores other processes leave free (at least 1): what ``engine.threads=null`` takes.
+
+    Other processes' load is the larger of the cores they kept busy over the last ``window`` seconds
+    (``/proc/stat``, sampled while this thread sleeps; catches a neighbour that just started) and the 1-minute
+    load average (``os.getloadavg``, scaled to the usable cores; catches a bursty one). A core counts as busy
+    when more than half of it is. Resolved once, when the engine is made: a neighbour that starts later is not
+    seen (``engine.threads=1`` is the setting that never oversubscribes).
+    """
+    cores = usable_cores()
+    others = _busy_now(cores, window) or 0.0
+    try:
+        load = os.getloadavg()[0] * len(cores) / max(len(cores), os.cpu_count() or 1)
+    except (OSError, AttributeError):
+        load = 0.0
+    return max(1, min(len(cores), round(len(cores) - max(others, load))))
+
+
+def resolve_threads(threads: int | None) -> int:
+    """``engine.threads``: the value set, or :func:`free_cores` for None."""
+    return int(threads) if threads is not None else free_cores()

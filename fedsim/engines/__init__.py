@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from flwr.serverapp import Grid
 
-from fedsim.groups import EngineSettings, Placement
+from fedsim.groups import EngineSettings, Placement, resolve_threads
 from fedsim.keys import NODE_STATE_DIR
 
 LOCAL_ENGINES = ("auto", "inprocess", "vectorized")
@@ -43,7 +43,7 @@ def local_grid(settings: EngineSettings, num_clients: int, node_config: dict | N
         return VectorizedGrid(
             num_clients,
             workers=settings.workers if settings.name == "auto" else 1,
-            threads=settings.threads,
+            threads=resolve_threads(settings.threads),  # None: the cores free now
             max_cohort=settings.max_cohort,
             vmap_conv_cpu=settings.vmap_conv_cpu,
             node_config=node_config,
