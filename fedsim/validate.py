@@ -19,15 +19,25 @@ SEED_MAX = 2**64 - 1  # torch.manual_seed takes seeds up to 2^64 - 1
 _MISSING = object()
 
 
+def _conf():
+    """fedsim's config folder: ``conf/`` beside the package in a deployed app's bundle, else ``fedsim.conf``."""
+    from pathlib import Path
+
+    from fedsim.run_config import _config_source
+
+    kind, where = _config_source()
+    return Path(where) if kind == "dir" else files("fedsim.conf")
+
+
 def _options(group: str) -> list[str]:
-    folder = files("fedsim.conf") / group
+    folder = _conf() / group
     return sorted(f.name.rsplit(".", 1)[0] for f in folder.iterdir() if f.name.endswith(".yaml"))
 
 
 @functools.cache
 def groups() -> tuple[str, ...]:
     """The config groups every run needs (each folder of ``conf/`` but ``experiment``)."""
-    conf = files("fedsim.conf")
+    conf = _conf()
     return tuple(
         sorted(p.name for p in conf.iterdir() if p.is_dir() and not p.name.startswith(("_", "experiment")))
     )
@@ -53,7 +63,7 @@ def boolean_keys() -> tuple[str, ...]:
     Read from ``conf/`` itself, so a new switch in any YAML is checked the moment it exists. A group key counts
     when every option that has it makes it a boolean.
     """
-    conf = files("fedsim.conf")
+    conf = _conf()
     main = OmegaConf.to_container(OmegaConf.load(str(conf / "config.yaml")), resolve=False)
     out = {
         k for k, is_bool in _bool_paths({k: v for k, v in main.items() if k != "hydra"}).items() if is_bool
