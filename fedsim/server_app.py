@@ -68,6 +68,7 @@ log = logging.getLogger("fedsim")
 app = ServerApp()
 
 
+TASK_TTL_MARGIN = 5.0  # a task's Flower TTL: the run's round_timeout plus this (seconds)
 REPLY_POLL = 0.1  # seconds between pulls while the server waits for replies (Flower's own Grid: 3 s)
 CLIENT_ERRORS_LOG = "client_errors.log"  # in the run folder: Flower's tracebacks of clients' exceptions
 
@@ -116,9 +117,9 @@ class FlowerTrainKeys(GridView):
 class ReplyLog(GridView):
     """The SuperLink's Grid, forwarding every call, that writes one ``replies.jsonl`` line per reply."""
 
-    def __init__(self, grid: Grid, path: Path) -> None:
+    def __init__(self, grid: Grid, path: Path, ttl: float | None = None) -> None:
         super().__init__(grid)
-        self._path = path
+        self._path, self._ttl = path, ttl
         self._file = None  # opened at the first reply, so a run that fails its config leaves no file
         self._t0 = time.monotonic()
         self._dst: dict[str, int] = {}  # message id -> the node it was sent to
@@ -166,6 +167,10 @@ class ReplyLog(GridView):
 
     def push_messages(self, messages):
         messages = list(messages)
+        # a task the server gave up on expires: a node back from a cut does not work it off
+        for m in messages:
+            if self._ttl and m.metadata.message_type != "query" and m.metadata.ttl > self._ttl:
+                m.metadata.ttl = self._ttl
         ids = list(self._grid.push_messages(messages))
         self._remember(messages)  # the grid sets each message's id as it pushes it
         return ids
@@ -258,7 +263,12 @@ def serve(grid: Grid, run_config: dict) -> None:
             NODES,
             NODES,
         )
-    replies = ReplyLog(FlowerTrainKeys(grid), out_dir / "replies.jsonl")
+    timeout = cfg.get("round_timeout")
+    replies = ReplyLog(
+        FlowerTrainKeys(grid),
+        out_dir / "replies.jsonl",
+        ttl=float(timeout) + TASK_TTL_MARGIN if timeout else None,
+    )
     # a partition whose bound node was refused waits half of node_timeout for another node, then is skipped
     wait = float(cfg.get("node_timeout") or 300) / 2
     gate = NodeGate(replies, binding, int(cfg.num_clients), out_dir / NODES_FILE, vacancy_wait=wait)
