@@ -484,8 +484,8 @@ def screen_replies(
     return _screen_together(valid, failures)
 
 
-def screen_stacked(stacked, reference: ArrayRecord, partitions: Mapping[int, int] | None = None):
-    """:func:`screen_replies` for a cohort's stacked train replies (``fedsim.messages.StackedReplies``):
+def screen_cohort(stacked, reference: ArrayRecord, partitions: Mapping[int, int] | None = None):
+    """:func:`screen_replies` for a cohort the engine trained batched (``fedsim.messages.Cohort``):
     ``(valid rows, failures)``, or None when only the per-message screen can judge them.
 
     The engine made every row itself from the global model, so what the per-message screen checks of a reply's

@@ -18,8 +18,8 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
    written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``; after the last step,
    client-side clipping (``clip-norm``) of the rows that ask for it (:func:`clip_rows`);
 4. reply: each client's full weights and the ClientApp's metrics keys, kept stacked on the device
-   (``fedsim.messages.StackedReplies``): ``send_and_receive_stacked`` hands them to a server loop whose
-   strategy aggregates them as they are (``fedsim.strategies.base.AggregatesStacked``); every other caller
+   (``fedsim.messages.Cohort``): ``send_and_receive_cohort`` hands them to the server loop as the round's
+   cohort, which every aggregator and wrapper takes as it is; every other caller
    gets one Flower reply Message per client, an ArrayRecord of its weights and a MetricRecord.
 
 Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps``, any ``batch_size``
@@ -58,7 +58,7 @@ from fedsim.engines import dense, grouped
 from fedsim.engines.pool import PoolGrid
 from fedsim.messages import (
     DRAW_INDEX_KEYS,
-    StackedReplies,
+    Cohort,
     TrainInstruction,
     global_state,
     parse_train,
@@ -302,9 +302,9 @@ class VectorizedGrid(PoolGrid):
         self._groups: dict[tuple, tuple] = {}  # one object per group key (grouped by identity every round)
         self._bytes: dict[tuple, tuple] = {}  # (model id, ...) -> (model, bytes a client, chunked on the CPU)
 
-    def send_and_receive_stacked(
+    def send_and_receive_cohort(
         self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> tuple[list[Message], StackedReplies | None]:
+    ) -> tuple[list[Message], Cohort | None]:
         """``send_and_receive``, keeping the replies of a cohort trained batched as stacked tensors.
 
         ``([], stacked)`` when every message was trained batched (rows in message order), else
@@ -314,7 +314,7 @@ class VectorizedGrid(PoolGrid):
         ids = list(self.push_messages(messages))
         batch = [self._pending.pop(mid) for mid in ids]
         done, parts = self._run_stacked(batch, None if timeout is None else time.monotonic() + timeout)
-        stacked = StackedReplies.concat(parts) if parts and not done and len(ids) == len(messages) else None
+        stacked = Cohort.concat(parts) if parts and not done and len(ids) == len(messages) else None
         if stacked is not None and len(stacked) == len(ids):
             row = {id(msg): i for i, msg in enumerate(stacked.messages)}  # the messages pushed, as they were
             return [], stacked.take([row[id(msg)] for msg in batch])
@@ -330,7 +330,7 @@ class VectorizedGrid(PoolGrid):
 
     def _run_stacked(
         self, batch: list[Message], deadline: float | None
-    ) -> tuple[dict[str, Message], list[StackedReplies]]:
+    ) -> tuple[dict[str, Message], list[Cohort]]:
         """Run ``batch``: the replies of the messages run through the ClientApp (by message id), and the
         stacked replies of those trained batched."""
         # strategies send one RecordDict (config, ArrayRecord) to the whole cohort: read and convert it once
@@ -354,7 +354,7 @@ class VectorizedGrid(PoolGrid):
                 results = list(pool.map(self._attempt, items))
         else:
             results = [self._attempt(item) for item in items]
-        parts: list[StackedReplies] = []
+        parts: list[Cohort] = []
         for (_, group), stacked, why in results:
             if stacked is not None:
                 parts.extend(stacked)
@@ -471,7 +471,7 @@ class VectorizedGrid(PoolGrid):
 
     def _train(
         self, clients: list[_Client], local: LocalTraining, device: str, mu: float
-    ) -> list[StackedReplies]:
+    ) -> list[Cohort]:
         """Train ``clients`` (same model, optimiser and mu) batched; their replies, stacked, a part per batch."""
         buckets: dict[int, list[_Client]] = {}
         for c in clients:
@@ -546,7 +546,7 @@ class VectorizedGrid(PoolGrid):
 
 def _try_bucket(
     members: list[_Client], local: LocalTraining, device: str, mu: float
-) -> StackedReplies | None:
+) -> Cohort | None:
     """``_train_bucket``, or None when it runs out of memory (with the memory it held released)."""
     try:
         return _train_bucket(members, local, device, mu)
@@ -691,7 +691,7 @@ def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict
     return {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}
 
 
-def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> StackedReplies:
+def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> Cohort:
     """Batched local training of clients sorted by step count (descending); their replies, stacked (rows in
     ``members`` order, models on ``device``)."""
     names = _names(members[0].task.model)
@@ -709,7 +709,7 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
         )
         for i, c in enumerate(members)
     ]
-    return StackedReplies([c.msg for c in members], params, metrics)
+    return Cohort([c.msg for c in members], params, metrics)
 
 
 def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.Tensor]) -> list[dict]:
@@ -745,7 +745,7 @@ def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.
     ]
 
 
-def _by_id(stacked: StackedReplies) -> dict[str, Message]:
+def _by_id(stacked: Cohort) -> dict[str, Message]:
     """The Flower replies of stacked replies, keyed by the id of the message each answers."""
     return {msg.metadata.message_id: rep for msg, rep in zip(stacked.messages, stacked.replies())}
 
