@@ -31,11 +31,11 @@ from fedsim.grid_utils import (
     discover,
     diverged_message,
     nonfinite_arrays,
-    screen_cohort,
     screen_replies,
     wait_for_nodes,
 )
 from fedsim.messages import Cohort
+from fedsim.screen import screen_cohort
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.selection import probe_losses

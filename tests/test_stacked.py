@@ -15,8 +15,9 @@ from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim import attacks, build, comm, keys, messages, seeds
 from fedsim.engines.vectorized import VectorizedGrid
-from fedsim.grid_utils import screen_cohort, screen_replies
+from fedsim.grid_utils import screen_replies
 from fedsim.messages import Cohort, array_record, device_mean
+from fedsim.screen import screen_cohort
 from fedsim.seeds import torch_generator, torch_generators
 from fedsim.strategies import base
 from fedsim.strategies.aggregate import weighted_mean
@@ -176,31 +177,106 @@ def test_to_record_writes_the_bytes_flower_writes(a):
     assert np.array_equal(got.numpy(), a)
 
 
-def test_the_stacked_screen_drops_nonfinite_rows_as_the_message_screen_does():
-    stacked = _stacked(6, nan_rows=[1, 4], inf_loss_rows=[4, 5])
-    reference = array_record({n: t[0] for n, t in stacked.arrays.items()})
-    partitions = {i + 1: i for i in range(6)}
-    valid, failures = screen_cohort(stacked, reference, partitions)
-    want_valid, want_failures = screen_replies(stacked.replies(), reference, partitions)
-    assert failures == want_failures and len(failures) == 3
-    assert (
-        valid.partition_ids
-        == [int(r.content[keys.METRICS][keys.PARTITION_ID]) for r in want_valid]
-        == [0, 2, 3]
-    )
-    assert torch.equal(valid.arrays["0.weight"], stacked.arrays["0.weight"][[0, 2, 3]])
+def _garble(metrics: list[dict], kind: str) -> None:
+    """One kind of garbled train metrics, in rows 1 (and 3)."""
+    m1, m3 = metrics[1], metrics[3]
+    if kind == "huge-num-examples":
+        m1[keys.NUM_EXAMPLES] = 1e300
+    elif kind == "nan-num-examples":
+        m1[keys.NUM_EXAMPLES] = float("nan")
+    elif kind == "fractional-num-examples":
+        m1[keys.NUM_EXAMPLES] = 2.5
+    elif kind == "negative-num-examples":
+        m1[keys.NUM_EXAMPLES] = -3
+    elif kind == "no-num-examples":
+        del m1[keys.NUM_EXAMPLES]
+    elif kind == "fractional-partition-id":
+        m1[keys.PARTITION_ID] = 1.5
+    elif kind == "another-nodes-partition":
+        m1[keys.PARTITION_ID] = 4
+    elif kind == "duplicate-partition":
+        m1[keys.PARTITION_ID] = m3[keys.PARTITION_ID] = 4
+    elif kind == "extra-metric-key":
+        m1["surprise"] = 1.0
+    elif kind == "missing-metric-key":
+        del m1[keys.TRAIN_LOSS], m3[keys.TRAIN_LOSS]
+    elif kind == "every-num-examples-0":
+        for m in metrics:
+            m[keys.NUM_EXAMPLES] = 0
+    elif kind == "nonfinite":
+        m1[keys.TRAIN_LOSS] = float("inf")
 
 
-def test_the_stacked_screen_leaves_what_it_does_not_check_to_the_message_screen():
+GARBLED = [
+    "huge-num-examples",
+    "nan-num-examples",
+    "fractional-num-examples",
+    "negative-num-examples",
+    "no-num-examples",
+    "fractional-partition-id",
+    "another-nodes-partition",
+    "duplicate-partition",
+    "extra-metric-key",
+    "missing-metric-key",
+    "every-num-examples-0",
+    "nonfinite",
+]
+
+
+@pytest.mark.parametrize("partitions", [True, False], ids=["discovered", "no-discovery"])
+@pytest.mark.parametrize("kind", GARBLED)
+def test_one_screen_drops_the_same_garbled_replies_on_every_engines_path(kind, partitions):
+    """The same garbled replies through the batched engine's path (the cohort screened as it is) and the
+    per-client engines' path (its Messages through ``screen_replies``): the same rows kept, the same failures
+    (kind and detail), in the same order."""
+    cohort = _stacked(6, nan_rows=[5] if kind == "nonfinite" else [])
+    _garble(cohort.metrics, kind)
+    reference = array_record({n: t[0] for n, t in cohort.arrays.items()})
+    nodes = {i + 1: i for i in range(6)} if partitions else None
+    want_valid, want_failures = screen_replies(cohort.replies(), reference, nodes)
+    valid, failures = screen_cohort(cohort, reference, nodes)
+    assert failures == want_failures and failures, kind
+    assert valid.partition_ids == [int(r.content[keys.METRICS][keys.PARTITION_ID]) for r in want_valid]
+    for n, t in valid.arrays.items():
+        rows = [r.content[keys.ARRAYS][n].numpy() for r in want_valid]
+        assert np.array_equal(t.numpy(), np.stack(rows) if rows else t.numpy()[:0]), n
+
+
+def test_a_stack_unlike_the_global_model_goes_to_the_message_screen():
     stacked = _stacked(3)
-    reference = array_record({n: t[0] for n, t in stacked.arrays.items()})
-    assert screen_cohort(stacked, reference, {1: 0, 2: 1, 3: 2}) is not None
     other = array_record({n: t[0, ..., :1] if t.dim() > 1 else t[0] for n, t in stacked.arrays.items()})
     assert screen_cohort(stacked, other, None) is None  # shapes differ: the message screen names them
-    assert screen_cohort(stacked, reference, {1: 0, 2: 1, 3: 7}) is None  # a node's partition differs
-    for m in stacked.metrics:
-        m[keys.NUM_EXAMPLES] = 0
-    assert screen_cohort(stacked, reference, None) is None  # nothing to weight by
+
+
+@pytest.mark.parametrize("kind", ["huge-num-examples", "nan-num-examples", "extra-metric-key"])
+def test_a_garbled_reply_fails_alike_in_the_loop_on_both_engines(tmp_path, monkeypatch, kind):
+    """A client's train metrics garbled where both engines write them (``train_metrics``): the run goes on
+    with the same failures and failure kinds each round on ``inprocess`` and the default engine (a huge or
+    NaN num-examples once zeroed the batched path's model or failed its run)."""
+    import fedsim.engines.vectorized as vectorized
+
+    original = messages.train_metrics
+
+    def garbled(**kw):
+        out = original(**kw)
+        if kw["partition_id"] == 1:
+            metrics = [out, out, out, out]
+            _garble(metrics, kind)
+            out = metrics[1]
+        return out
+
+    monkeypatch.setattr(messages, "train_metrics", garbled)
+    monkeypatch.setattr(vectorized, "train_metrics", garbled)
+    runs = {}
+    for engine in ("inprocess", "auto"):
+        summary = run_tiny(tmp_path / engine, f"engine={engine}", "num_clients=4", "clients_per_round=4")
+        assert summary["status"] == "completed", engine
+        runs[engine] = [
+            (r.get("failures"), r.get("failure_kinds"), r.get("num_clients"))
+            for r in read_metrics(tmp_path / engine)
+        ]
+    assert runs["inprocess"] == runs["auto"] and runs["auto"][-1] == (1, {"malformed": 1}, 3)
+    assert read_metrics(tmp_path / "auto")[-1]["eval_accuracy"] > 0.2
 
 
 @pytest.mark.parametrize("name", BATCHED_FORM + ROUNDED_FORM + PER_CLIENT_ONLY)
