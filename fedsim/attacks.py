@@ -50,8 +50,8 @@ from fedsim.schema import MALICIOUS
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import cast_like, flatten, is_float, unflatten
-from fedsim.strategies.records import reply_arrays, to_numpy, to_record
+from fedsim.strategies.aggregate import flatten, is_float
+from fedsim.strategies.records import to_numpy, to_record
 from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
@@ -153,65 +153,32 @@ class Attack(Wrapper):
         self.current = to_numpy(arrays)
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate_cohort(
+        self, server_round: int, cohort: Any
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Replace the attackers' updates by :meth:`craft`'s, then let the inner strategy aggregate."""
-        replies = list(replies)
+        """Replace the attackers' rows by :meth:`craft`'s updates (from the float64 updates ``y - x``, cast to the
+        rows' dtype), then let the inner strategy aggregate."""
         if self.current is None:
             raise RuntimeError(f"{type(self).__name__}.aggregate_train called before configure_train")
-        pids = [_pid(m) for m in replies]
+        pids = cohort.partition_ids
         bad = [i for i, p in enumerate(pids) if p in self.malicious]
         if not bad:
-            return self.strategy.aggregate_train(server_round, replies)
+            return base.aggregate(self.strategy, server_round, cohort)
         floats = {k: a for k, a in self.current.items() if is_float(a)}
         x = flatten(floats)  # (d,)
-        arrays = [reply_arrays(m) for m in replies]
-        deltas = np.stack([flatten({k: a[k] for k in floats}) - x for a in arrays])  # (n, d)
-        good = [i for i in range(len(replies)) if i not in bad]
-        crafted = self.craft(server_round, deltas[good], deltas[bad], [pids[i] for i in bad])  # (k, d)
-        out = list(replies)
-        for row, i in enumerate(bad):
-            new = unflatten(x + crafted[row], floats)
-            out[i] = with_model(replies[i], cast_like({**arrays[i], **new}, arrays[i]))
-        return self.strategy.aggregate_train(server_round, out)
-
-    def takes_stacked(self) -> bool:
-        """The attack crafts stacked rows as it crafts Messages: it takes a cohort's stacked replies when the
-        strategy it wraps does."""
-        return base.takes_stacked(self.strategy)
-
-    def aggregate_stacked(
-        self, server_round: int, stacked: Any
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """``aggregate_train`` of ``stacked.replies()`` without making them: the attackers' rows replaced by
-        :meth:`craft`'s updates (from the same float64 updates, cast to the rows' dtype the same way), then the
-        inner strategy's ``aggregate_stacked``."""
-        if self.current is None:
-            raise RuntimeError(f"{type(self).__name__}.aggregate_stacked called before configure_train")
-        pids = stacked.partition_ids
-        bad = [i for i, p in enumerate(pids) if p in self.malicious]
-        if not bad:
-            return self.strategy.aggregate_stacked(server_round, stacked)
-        if set(stacked.arrays) != set(self.current):  # the per-client form names what does not fit
-            return self.aggregate_train(server_round, stacked.replies())
-        floats = {k: a for k, a in self.current.items() if is_float(a)}
-        x = flatten(floats)  # (d,)
-        n = len(stacked)
-        host = stacked.host_arrays()
+        n = len(cohort)
+        host = cohort.host_arrays()
         deltas = np.concatenate([host[k].reshape(n, -1) for k in floats], axis=1) - x  # (n, d), floats' order
         good = [i for i in range(n) if i not in bad]
         crafted = x + self.craft(server_round, deltas[good], deltas[bad], [pids[i] for i in bad])  # (k, d)
-        arrays = dict(stacked.arrays)
+        arrays = dict(cohort.arrays)
         index = torch.tensor(bad)
         offsets = np.cumsum([0] + [int(np.asarray(a).size) for a in floats.values()])
         for k, lo, hi in zip(floats, offsets[:-1], offsets[1:]):
-            t = stacked.arrays[k]
+            t = cohort.arrays[k]
             rows = torch.from_numpy(np.ascontiguousarray(crafted[:, lo:hi])).view(len(bad), *t.shape[1:])
             arrays[k] = t.index_copy(0, index.to(t.device), rows.to(device=t.device, dtype=t.dtype))
-        return self.strategy.aggregate_stacked(
-            server_round, type(stacked)(stacked.messages, arrays, stacked.metrics)
-        )
+        return base.aggregate(self.strategy, server_round, cohort.replace(arrays=arrays))
 
     def summary(self) -> None:
         """Log the attack, then the inner strategy's summary."""
@@ -231,10 +198,6 @@ def with_model(msg: Message, arrays: dict[str, np.ndarray]) -> Message:
     ``scaffold-dc``) and metadata are kept."""
     content = RecordDict({k: (to_record(arrays) if k == keys.ARRAYS else r) for k, r in msg.content.items()})
     return Message(content=content, metadata=copy.deepcopy(msg.metadata))
-
-
-def _pid(msg: Message) -> int:
-    return int(msg.content[keys.METRICS][keys.PARTITION_ID])
 
 
 class SignFlip(Attack):

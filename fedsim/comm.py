@@ -49,9 +49,9 @@ def message_bytes(messages: Iterable[Message]) -> int:
     return total
 
 
-def stacked_bytes(stacked) -> int:
-    """``message_bytes(stacked.replies())`` for a cohort's stacked train replies
-    (``fedsim.messages.StackedReplies``), without making the replies: every row's ArrayRecord has the same
+def cohort_bytes(stacked) -> int:
+    """``message_bytes(cohort.replies())`` for a cohort the engine trained batched (``fedsim.messages.Cohort``),
+    without making the replies: every row's ArrayRecord has the same
     size, and a MetricRecord's size depends on its keys and integers only (a float is always 8 bytes)."""
     from fedsim import keys
     from fedsim.strategies.records import npy_header

@@ -7,7 +7,6 @@ import io
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Iterable, Mapping
 
 import numpy as np
@@ -328,6 +327,38 @@ def _whole(v: object, low: float, high: float) -> bool:
     return math.isfinite(v) and v == int(v) and low <= v <= high
 
 
+def check_metrics(node: str, metrics: Mapping, partition: int | None = None) -> tuple[str, str] | None:
+    """Why a train reply's metrics cannot be aggregated: ``(kind, detail)``, or None when they can. The one check
+    of a reply's metrics, for Messages (:func:`check_reply_content`) and a batched cohort's rows
+    (:func:`screen_cohort`) alike; ``node`` names the reply's node (``"node 3"``)."""
+    for key in (keys.PARTITION_ID, keys.NUM_EXAMPLES):
+        v = metrics.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            return "malformed", (
+                f"reply from {node} lacks a number >= 0 for metric {key!r} "
+                f"(metrics: {_names(metrics.keys())}); is it fedsim's ClientApp?"
+            )
+    pid, n = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
+    if not _whole(pid, 0, 2**31):
+        return "malformed", f"reply from {node}: partition-id {pid!r} is not a whole number in [0, 2^31]"
+    if partition is not None and int(pid) != partition:
+        return (
+            "malformed",
+            f"reply from {node}: partition-id {int(pid)}, but the node holds partition {partition}",
+        )
+    if not _whole(n, 0, MAX_NUM_EXAMPLES):
+        return "malformed", (
+            f"reply from {node}: num-examples {n!r} is not a whole number in [0, {MAX_NUM_EXAMPLES:.0e}]"
+        )
+    for k, v in metrics.items():
+        ok = isinstance(v, (int, float)) or (
+            isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+        )
+        if not ok or isinstance(v, bool):
+            return "malformed", f"reply from {node}: metric {k!r} is not a number ({type(v).__name__})"
+    return None
+
+
 def check_reply_content(
     rep: Message, reference: dict[str, tuple[tuple, np.dtype]], partition: int | None = None
 ) -> tuple[str, str] | None:
@@ -346,34 +377,9 @@ def check_reply_content(
             "malformed",
             f"reply from {_node(rep)} lacks {' and '.join(what)} (records: {_names(c.keys())})",
         )
-    for key in (keys.PARTITION_ID, keys.NUM_EXAMPLES):
-        v = metrics.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            return "malformed", (
-                f"reply from {_node(rep)} lacks a number >= 0 for metric {key!r} "
-                f"(metrics: {_names(metrics.keys())}); is it fedsim's ClientApp?"
-            )
-    pid, n = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
-    if not _whole(pid, 0, 2**31):
-        return (
-            "malformed",
-            f"reply from {_node(rep)}: partition-id {pid!r} is not a whole number in [0, 2^31]",
-        )
-    if partition is not None and int(pid) != partition:
-        return (
-            "malformed",
-            f"reply from {_node(rep)}: partition-id {int(pid)}, but the node holds partition {partition}",
-        )
-    if not _whole(n, 0, MAX_NUM_EXAMPLES):
-        return "malformed", (
-            f"reply from {_node(rep)}: num-examples {n!r} is not a whole number in [0, {MAX_NUM_EXAMPLES:.0e}]"
-        )
-    for k, v in metrics.items():
-        ok = isinstance(v, (int, float)) or (
-            isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
-        )
-        if not ok or isinstance(v, bool):
-            return "malformed", f"reply from {_node(rep)}: metric {k!r} is not a number ({type(v).__name__})"
+    problem = check_metrics(_node(rep), metrics, partition)
+    if problem is not None:
+        return problem
     for rec in c.array_records.values():
         for k, a in rec.items():
             why = array_problem(k, a)
@@ -412,19 +418,6 @@ def _layout(rep: Message) -> tuple:
     c = rep.content
     records = tuple(sorted((k, type(r).__name__) for k, r in c.items()))
     return records, tuple(sorted(c[keys.METRICS].keys()))
-
-
-def _differs(rep: Message, layout: tuple) -> str:
-    mine = _layout(rep)
-    parts = []
-    for what, have, want in (("records", mine[0], layout[0]), ("metrics", mine[1], layout[1])):
-        extra, missing = set(have) - set(want), set(want) - set(have)
-        name = (lambda x: x[0]) if what == "records" else (lambda x: x)
-        if extra:
-            parts.append(f"extra {what} {_names(name(x) for x in extra)}")
-        if missing:
-            parts.append(f"no {what} {_names(name(x) for x in missing)}")
-    return f"reply from {_node(rep)}: unlike the round's other replies it has {'; '.join(parts)}"
 
 
 def screen_replies(
@@ -481,80 +474,21 @@ def screen_replies(
     return _screen_together(valid, failures)
 
 
-def screen_stacked(stacked, reference: ArrayRecord, partitions: Mapping[int, int] | None = None):
-    """:func:`screen_replies` for a cohort's stacked train replies (``fedsim.messages.StackedReplies``):
-    ``(valid rows, failures)``, or None when only the per-message screen can judge them.
-
-    The engine made every row itself from the global model, so what the per-message screen checks of a reply's
-    form holds by construction; checked here once for the whole stack are the array names, shapes and dtypes
-    against ``reference``, each row's node and partition against ``partitions``, one row per partition, and
-    some examples to weight by; when any of these fails, None (the caller screens the rows as Messages, which
-    names each problem). What training can still produce, NaN or Inf in a row's model or train loss, fails the
-    row (kind ``nonfinite``, with the per-message screen's detail) after one vectorised check per parameter.
-    """
-    import torch
-
-    from fedsim.comm import torch_numpy_dtype
-
-    ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
-    got = {n: (tuple(t.shape[1:]), str(torch_numpy_dtype(t.dtype))) for n, t in stacked.arrays.items()}
-    pids, nodes = stacked.partition_ids, stacked.node_ids
-    if (
-        got != ref
-        or len(set(pids)) != len(pids)
-        or (partitions and any(partitions.get(n) != p for n, p in zip(nodes, pids)))
-    ):
-        return None
-    finite = np.ones(len(stacked), dtype=bool)
-    for t in stacked.arrays.values():
-        t = t.detach()
-        if t.device.type == "cpu":  # numpy: one thread, whatever torch's thread count
-            finite &= np.isfinite(t.numpy()).reshape(len(stacked), -1).all(1)
-        else:
-            finite &= torch.isfinite(t).flatten(1).all(1).cpu().numpy()
-    keep, failures = [], []
-    for i, (node, metrics) in enumerate(zip(nodes, stacked.metrics)):
-        loss = metrics.get(keys.TRAIN_LOSS, 0.0)
-        if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
-            failures.append(("nonfinite", f"NaN or Inf train loss from node {node}"))
-        elif not finite[i]:
-            failures.append(("nonfinite", f"NaN or Inf in the update from node {node}"))
-        else:
-            keep.append(i)
-    if keep and not any(stacked.metrics[i][keys.NUM_EXAMPLES] for i in keep):
-        return None
-    return stacked.take(keep), failures
-
-
 def _screen_together(valid: list[Message], failures: list) -> tuple[list[Message], list[tuple[str, str]]]:
-    """The checks across a round's replies: one reply per partition, one layout, some examples to weight by."""
-    seen: dict[int, int] = {}
-    unique = []
-    for rep in valid:
-        pid = int(rep.content[keys.METRICS][keys.PARTITION_ID])
-        if pid in seen:
-            failures.append(
-                (
-                    "malformed",
-                    f"reply from {_node(rep)}: partition-id {pid} is node {seen[pid]}'s reply's too",
-                )
-            )
-            continue
-        seen[pid] = int(rep.metadata.src_node_id)
-        unique.append(rep)
-    if len(unique) > 1:
-        counts = Counter(_layout(r) for r in unique)
-        top = max(counts.values())  # the layout most replies share; on a tie the one with the fewest keys
-        layout = min((lay for lay, c in counts.items() if c == top), key=lambda lay: (len(lay[1]), lay))
-        failures += [("malformed", _differs(r, layout)) for r in unique if _layout(r) != layout]
-        unique = [r for r in unique if _layout(r) == layout]
-    if unique and all(r.content[keys.METRICS][keys.NUM_EXAMPLES] == 0 for r in unique):
-        failures += [
-            ("malformed", f"reply from {_node(r)}: num-examples is 0 in every reply (nothing to weight by)")
-            for r in unique
-        ]
-        unique = []
-    return unique, failures
+    """The checks across a round's replies (``fedsim.screen.together``) of Messages."""
+    from fedsim.screen import Row, together
+
+    rows = [
+        Row(
+            rep,
+            int(rep.content[keys.METRICS][keys.PARTITION_ID]),
+            _node(rep),
+            _layout(rep),
+            rep.content[keys.METRICS][keys.NUM_EXAMPLES],
+        )
+        for rep in valid
+    ]
+    return [r.item for r in together(rows, failures)], failures
 
 
 def _adopt(rep: Message, partitions: Mapping[int, int]) -> bool:

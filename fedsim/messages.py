@@ -8,6 +8,7 @@ one path and silently ignored on the other: a key that the batched path does not
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import weakref
@@ -173,24 +174,53 @@ def global_state(arrays: ArrayRecord) -> dict[str, torch.Tensor]:
     return state
 
 
-# ------------------------------------------------------------------------ a cohort's train replies, stacked
+# ------------------------------------------------------------------------ a round's train replies: the cohort
 @dataclass
-class StackedReplies:
-    """The train replies of clients trained batched (``fedsim.engines.vectorized``), kept as stacked tensors.
+class Cohort:
+    """The valid train replies of a round, one row per client: what the server side of a round sees.
 
-    Row ``i`` answers train message ``messages[i]``: its model is ``arrays[name][i]`` for every parameter
-    (tensors ``(rows, *shape)`` on the device the cohort trained on) and its metrics are ``metrics[i]`` (the
-    entries :func:`train_reply` writes). :meth:`replies` makes the per-client Flower Messages every other
-    consumer gets, equal to those the engine sends otherwise; a strategy with a batched form
-    (``fedsim.strategies.base.AggregatesStacked``) aggregates the rows without them.
+    Row ``i`` comes from node ``node_ids[i]``: its model is ``arrays[name][i]`` for every parameter (tensors
+    ``(rows, *shape)`` on the device the cohort sits on) and its metrics are ``metrics[i]`` (the entries
+    :func:`train_reply` writes). The grid boundary makes one, once: the batched engine trains a cohort straight
+    into one (``messages[i]`` is then the train message row ``i`` answers), and the replies of per-client engines
+    and deployed nodes are stacked into one (:meth:`from_replies`; ``messages[i]`` is then the reply itself).
+    Aggregators and wrappers are written against it; :meth:`replies` gives the per-client Flower Messages it
+    stands for (the replies themselves while the rows are unchanged), for a strategy that reads Messages.
     """
 
     messages: list[Message]
     arrays: dict[str, torch.Tensor]
     metrics: list[dict]
+    from_replies_: bool = False  # messages are the replies themselves (not the train messages they answer)
+    changed: bool = False  # the rows' models or metrics differ from those of ``messages``
 
     def __len__(self) -> int:
         return len(self.metrics)
+
+    @staticmethod
+    def from_replies(replies: list[Message]) -> Cohort:
+        """The cohort of per-client train replies of one layout (screened): their models stacked on the CPU.
+
+        The model is the reply's ArrayRecord ``arrays`` (or its only one); its other records stay in the replies.
+        """
+        replies = list(replies)
+        models = [_model_record(r) for r in replies]
+        names = list(models[0].keys()) if models else []
+        arrays = {
+            n: torch.from_numpy(np.stack([array_values(m[n], writable=False) for m in models])) for n in names
+        }
+        metrics = [dict(r.content[keys.METRICS].items()) for r in replies]
+        return Cohort(replies, arrays, metrics, from_replies_=True)
+
+    def replace(self, arrays: dict | None = None, metrics: list[dict] | None = None) -> Cohort:
+        """The same rows with new models (``arrays``, the same names and rows) and/or metrics."""
+        return Cohort(
+            self.messages,
+            self.arrays if arrays is None else arrays,
+            self.metrics if metrics is None else metrics,
+            self.from_replies_,
+            True,
+        )
 
     @property
     def partition_ids(self) -> list[int]:
@@ -198,26 +228,31 @@ class StackedReplies:
 
     @property
     def node_ids(self) -> list[int]:
-        """The node each row comes from (its train message's destination)."""
+        """The node each row comes from."""
+        if self.from_replies_:
+            return [int(msg.metadata.src_node_id) for msg in self.messages]
         return [int(msg.metadata.dst_node_id) for msg in self.messages]
 
-    def take(self, rows: list[int]) -> StackedReplies:
-        """The replies of ``rows``, in that order."""
+    def take(self, rows: list[int]) -> Cohort:
+        """The rows ``rows``, in that order."""
         if rows == list(range(len(self))):
             return self
         index = torch.tensor(rows, dtype=torch.long)
-        return StackedReplies(
+        return Cohort(
             [self.messages[i] for i in rows],
             {n: t.index_select(0, index.to(t.device)) for n, t in self.arrays.items()},
             [self.metrics[i] for i in rows],
+            self.from_replies_,
+            self.changed,
         )
 
-    def to(self, device: str | torch.device) -> StackedReplies:
-        """The same replies with their models on ``device``."""
-        return StackedReplies(self.messages, {n: t.to(device) for n, t in self.arrays.items()}, self.metrics)
+    def to(self, device: str | torch.device) -> Cohort:
+        """The same rows with their models on ``device``."""
+        arrays = {n: t.to(device) for n, t in self.arrays.items()}
+        return Cohort(self.messages, arrays, self.metrics, self.from_replies_, self.changed)
 
     @staticmethod
-    def concat(parts: list[StackedReplies]) -> StackedReplies | None:
+    def concat(parts: list[Cohort]) -> Cohort | None:
         """The rows of ``parts`` one after the other (on the CPU when the parts sit on different devices); None
         when they do not stack (other parameters, shapes or dtypes)."""
         first = parts[0]
@@ -229,24 +264,39 @@ class StackedReplies:
         devices = {t.device for p in parts for t in p.arrays.values()}
         if len(devices) > 1:
             parts = [p.to("cpu") for p in parts]
-        return StackedReplies(
+        return Cohort(
             [m for p in parts for m in p.messages],
             {n: torch.cat([p.arrays[n] for p in parts]) for n in first.arrays},
             [m for p in parts for m in p.metrics],
+            first.from_replies_,
+            any(p.changed for p in parts),
         )
 
     def replies(self) -> list[Message]:
-        """One Flower reply Message per row, as the engine sends them (one copy off the device per parameter)."""
+        """One Flower reply Message per row: the replies themselves while unchanged, else made from the rows (one
+        copy off the device per parameter; a reply's other records and metadata are kept)."""
+        if self.from_replies_ and not self.changed:
+            return list(self.messages)
         host = {n: t.detach().cpu() for n, t in self.arrays.items()}
+        if not self.from_replies_:
+            return [
+                reply_message(msg, {n: t[i] for n, t in host.items()}, metrics)
+                for i, (msg, metrics) in enumerate(zip(self.messages, self.metrics))
+            ]
         return [
-            reply_message(msg, {n: t[i] for n, t in host.items()}, metrics)
-            for i, (msg, metrics) in enumerate(zip(self.messages, self.metrics))
+            _rebuilt(rep, {n: t[i] for n, t in host.items()}, metrics)
+            for i, (rep, metrics) in enumerate(zip(self.messages, self.metrics))
         ]
 
     def metric_contents(self) -> list[RecordDict]:
         """Each row's metrics as the content of a reply holding only its MetricRecord (what Flower's metric
         aggregation functions read)."""
         return [RecordDict({keys.METRICS: MetricRecord(m)}) for m in self.metrics]
+
+    def host_models(self) -> list[dict[str, np.ndarray]]:
+        """Each row's model as numpy arrays of its own dtypes (what ``reply_arrays`` gives of its reply)."""
+        host = {n: t.detach().cpu().numpy() for n, t in self.arrays.items()}
+        return [{n: a[i] for n, a in host.items()} for i in range(len(self))]
 
     def host_arrays(self) -> dict[str, np.ndarray]:
         """The stacked models as numpy arrays ``(rows, *shape)`` in the host's memory, floating-point ones in float64
@@ -308,6 +358,27 @@ def host_mean(tensors: dict[str, torch.Tensor], w: np.ndarray) -> dict[str, np.n
         out[n] = acc[start : start + f.shape[1]].reshape(x.shape[1:])
         start += f.shape[1]
     return out
+
+
+def _model_record(reply: Message) -> ArrayRecord:
+    """A train reply's model: its ArrayRecord ``arrays``, or its only ArrayRecord."""
+    records = reply.content.array_records
+    return records[keys.ARRAYS] if keys.ARRAYS in records else next(iter(records.values()))
+
+
+def _rebuilt(reply: Message, state: dict[str, torch.Tensor], metrics: dict) -> Message:
+    """A copy of ``reply`` (metadata and other records kept) with its model ``state`` and its metrics ``metrics``."""
+    model = (
+        keys.ARRAYS if keys.ARRAYS in reply.content.array_records else next(iter(reply.content.array_records))
+    )
+    records = {}
+    for name, rec in reply.content.items():
+        if name == model:
+            rec = array_record(state)
+        elif name == keys.METRICS:
+            rec = MetricRecord(metrics)
+        records[name] = rec
+    return Message(content=RecordDict(records), metadata=copy.deepcopy(reply.metadata))
 
 
 def device_mean(x: torch.Tensor, w: np.ndarray, rows: int = 64) -> torch.Tensor:

@@ -32,10 +32,10 @@ from fedsim.grid_utils import (
     diverged_message,
     nonfinite_arrays,
     screen_replies,
-    screen_stacked,
     wait_for_nodes,
 )
-from fedsim.messages import StackedReplies
+from fedsim.messages import Cohort
+from fedsim.screen import screen_cohort
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.selection import probe_losses
@@ -224,7 +224,7 @@ def run_sync(
         bytes_up, valid, failures = _train_replies(
             grid, strategy, messages, state, node_of, loop.round_timeout
         )
-        pids = valid.partition_ids if isinstance(valid, StackedReplies) else [_pid(r) for r in valid]
+        pids = valid.partition_ids
         record: dict = {
             schema.ROUND: rnd,
             schema.NUM_CLIENTS: len(valid),
@@ -288,34 +288,34 @@ def run_sync(
 
 def _train_replies(
     grid: Grid, strategy, messages: list[Message], state: RunState, node_of: dict[int, int], timeout: float
-) -> tuple[int, list[Message] | StackedReplies, list[tuple[str, str]]]:
-    """Send a round's train messages: ``(bytes up, valid replies in partition order, failures)``.
+) -> tuple[int, Cohort, list[tuple[str, str]]]:
+    """Send a round's train messages: ``(bytes up, the cohort of valid replies in partition order, failures)``.
 
-    When the strategy takes stacked replies (``base.takes_stacked``) and the grid trained the whole cohort
-    batched (``send_and_receive_stacked``, the vectorized engine), the valid replies stay stacked tensors
-    (``StackedReplies``), screened and sized without per-client Messages; otherwise they are Messages.
+    The grid boundary, where the replies become the round's one cohort (``fedsim.messages.Cohort``): a grid that
+    trains a cohort batched (``send_and_receive_cohort``, the vectorized engine) gives it as it is, screened and
+    sized without per-client Messages; the Messages of per-client engines and deployed nodes are decoded
+    (``compression=``), screened and stacked into one.
     """
     if not messages:
-        return 0, [], []
+        return 0, Cohort.from_replies([]), []
     partitions = {n: p for p, n in node_of.items()}
-    stacked = None
-    if base.takes_stacked(strategy) and hasattr(grid, "send_and_receive_stacked"):
-        replies, stacked = grid.send_and_receive_stacked(messages, timeout=timeout)
+    if hasattr(grid, "send_and_receive_cohort"):
+        replies, cohort = grid.send_and_receive_cohort(messages, timeout=timeout)
+        if cohort is not None:
+            screened = screen_cohort(cohort, state.arrays, partitions)
+            if screened is not None:
+                valid, failures = screened
+                order = sorted(range(len(valid)), key=valid.partition_ids.__getitem__)
+                return comm.cohort_bytes(cohort), valid.take(order), failures
+            replies = cohort.replies()  # the per-message screen names what is wrong
     else:
         replies = list(grid.send_and_receive(messages, timeout=timeout))
-    if stacked is not None:
-        screened = screen_stacked(stacked, state.arrays, partitions)
-        if screened is not None:
-            valid, failures = screened
-            order = sorted(range(len(valid)), key=valid.partition_ids.__getitem__)
-            return comm.stacked_bytes(stacked), valid.take(order), failures
-        replies = stacked.replies()  # the per-message screen names what is wrong
     bytes_up = comm.message_bytes(replies)  # as sent: compressed updates before decoding
     replies = base.decode_replies(strategy, replies, state.arrays)
     valid, failures = screen_replies(replies, state.arrays, partitions)
     failures += [("timeout", "no reply in time")] * (len(messages) - len(replies))
     valid.sort(key=_pid)
-    return bytes_up, valid, failures
+    return bytes_up, Cohort.from_replies(valid), failures
 
 
 def failure_fields(failures: list[tuple[str, str]], where: str, unit: str) -> dict:

@@ -37,13 +37,14 @@ capability                    meaning
                               cohort (a grid view without nodes: nothing is sent) and ``aggregate_train``
                               with the valid replies however few (``min_replies`` does not apply), none
                               included.
-:class:`AggregatesStacked`   ``aggregate_stacked(server_round, stacked)``: ``aggregate_train`` for a cohort
-                              trained batched whose replies stayed stacked tensors on the device
-                              (``fedsim.messages.StackedReplies``), equal to ``aggregate_train`` of the
-                              per-client Messages; offered when ``takes_stacked()`` is True (FedAvg and the
-                              strategies whose aggregate is a server step on its weighted mean; selection's
-                              wrapper passes it on). Without it (the wrappers that touch replies, robust
-                              rules, a user's strategy) the loop hands it Messages.
+:class:`AggregatesCohort`    ``aggregate_cohort(server_round, cohort)``: ``aggregate_train`` written against the
+                              round's cohort (``fedsim.messages.Cohort``: rows = clients, models stacked where
+                              they sit, ids, example counts and metrics), the one form of every fedsim
+                              aggregator and wrapper. Their ``aggregate_train`` (Flower's, on Messages) is one
+                              adapter: stack the replies, call ``aggregate_cohort``. The loop hands a strategy
+                              the cohort when it :func:`takes_cohort`, else ``cohort.replies()`` through
+                              ``aggregate_train`` (a user's strategy, or a subclass that overrides
+                              ``aggregate_train``: honoured on every engine).
 ``client_algorithm``          a class attribute naming the client algorithm (``fedsim.algorithms``) the
                               strategy's clients must run, e.g. SCAFFOLD's; fedsim gives it to the clients.
 ``releases``                  class attribute: what the strategy sends its clients and how it is computed
@@ -127,12 +128,10 @@ class ReleasesEveryRound(Protocol):
 
 
 @runtime_checkable
-class AggregatesStacked(Protocol):
-    """A strategy that can aggregate a cohort's stacked train replies without per-client Messages."""
+class AggregatesCohort(Protocol):
+    """A strategy whose aggregation is written against the round's cohort (``fedsim.messages.Cohort``)."""
 
-    def takes_stacked(self) -> bool: ...
-
-    def aggregate_stacked(self, server_round: int, stacked: Any) -> tuple[Any, MetricRecord | None]: ...
+    def aggregate_cohort(self, server_round: int, cohort: Any) -> tuple[Any, MetricRecord | None]: ...
 
 
 @runtime_checkable
@@ -228,10 +227,25 @@ def releases_every_round(strategy: object) -> bool:
     return False
 
 
-def takes_stacked(strategy: object) -> bool:
-    """True when the loop may hand ``strategy`` (the outermost, wrappers included) a cohort's train replies as
-    stacked tensors (:class:`AggregatesStacked`) instead of per-client Messages."""
-    return _is(strategy, AggregatesStacked) and bool(strategy.takes_stacked())
+def takes_cohort(strategy: object) -> bool:
+    """True when the loop hands ``strategy`` the round's cohort (:class:`AggregatesCohort`): the class that gives
+    ``aggregate_cohort`` is (or derives from) the one that gives ``aggregate_train``. A subclass that overrides
+    Flower's ``aggregate_train`` below it gets the Messages the cohort stands for, on every engine."""
+    cls = type(strategy)
+    known = _TAKES.get(cls)
+    if known is None:
+        known = _TAKES[cls] = _is(strategy, AggregatesCohort) and issubclass(
+            _defined_in(cls, "aggregate_cohort"), _defined_in(cls, "aggregate_train")
+        )
+    return known
+
+
+_TAKES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _defined_in(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose own body defines ``name`` (``object`` when none does)."""
+    return next((k for k in cls.__mro__ if name in vars(k)), object)
 
 
 def round_fields(strategy: object, partition_ids: Iterable[int]) -> dict[str, Any]:
@@ -256,12 +270,12 @@ def choose_cohort(
     return cohort
 
 
-def aggregate(strategy: object, server_round: int, replies: Any) -> tuple[Any, MetricRecord | None]:
-    """``aggregate_train`` of a round's valid replies: per-client Messages, or the stacked form
-    (``fedsim.messages.StackedReplies``, handed only to a strategy that :func:`takes_stacked`)."""
-    if isinstance(replies, list):
-        return strategy.aggregate_train(server_round, replies)
-    return strategy.aggregate_stacked(server_round, replies)
+def aggregate(strategy: object, server_round: int, cohort: Any) -> tuple[Any, MetricRecord | None]:
+    """``strategy``'s aggregation of a round's valid replies, the cohort ``cohort``: its cohort form when it
+    :func:`takes_cohort`, else Flower's ``aggregate_train`` of the Messages the cohort stands for."""
+    if takes_cohort(strategy):
+        return strategy.aggregate_cohort(server_round, cohort)
+    return strategy.aggregate_train(server_round, cohort.replies())
 
 
 def select_cohort(
@@ -292,17 +306,9 @@ def weight_key(strategy: object) -> str:
     return str(getattr(strategy, "weighted_by_key", keys.NUM_EXAMPLES))
 
 
-def train_metrics(strategy: object, replies: Iterable[Message], key: str) -> MetricRecord | None:
-    """The strategy's own aggregation of train metrics (Flower's ``train_metrics_aggr_fn``), weighted by ``key``.
-
-    None when the strategy has no such function.
-    """
-    aggr = getattr(strategy, "train_metrics_aggr_fn", None)
-    return aggr([m.content for m in replies], key) if callable(aggr) else None
-
-
-def stacked_train_metrics(strategy: object, stacked: Any, key: str) -> MetricRecord | None:
-    """:func:`train_metrics` of the Messages a cohort's stacked replies stand for, without making them."""
+def train_metrics(strategy: object, cohort: Any, key: str) -> MetricRecord | None:
+    """The strategy's own aggregation of the cohort's train metrics (Flower's ``train_metrics_aggr_fn``),
+    weighted by ``key``; None when the strategy has no such function."""
     from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
     from fedsim.strategies.records import average_metrics
@@ -311,8 +317,8 @@ def stacked_train_metrics(strategy: object, stacked: Any, key: str) -> MetricRec
     if not callable(aggr):
         return None
     if aggr is aggregate_metricrecords:  # Flower's default, over plain dicts
-        return average_metrics(stacked.metrics, key)
-    return aggr(stacked.metric_contents(), key)
+        return average_metrics(cohort.metrics, key)
+    return aggr(cohort.metric_contents(), key)
 
 
 def inner_state(inner: object) -> dict[str, Any]:

@@ -68,7 +68,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
@@ -80,12 +81,11 @@ from fedsim.strategies import base, composition
 from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.aggregate import (
     cast_like,
-    clip,
     is_float,
     noise_std,
-    subtract,
 )
-from fedsim.strategies.records import rebuild_reply, reply_arrays, reply_metrics, to_numpy, to_record
+from fedsim.strategies.clip_rows import STAND_IN_NODE, noise_reply, row_norms, row_updates
+from fedsim.strategies.records import to_numpy
 from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
@@ -99,27 +99,6 @@ COHORT, UPDATE_NOISE, COUNT_NOISE = 1, 2, 3
 _PUBLIC_COHORT, _PUBLIC_NOISE, _PUBLIC_PURPOSE = 1, 5, {UPDATE_NOISE: 0, COUNT_NOISE: 1}
 _CLIENT_TOLERANCE = 1e-3  # a client-clipped update may exceed C by this relative margin (float32 rounding)
 _CLIENT_STATISTICS = (keys.CLIPPED, keys.UPDATE_NORM)  # exact per-client values; dropped in DP mode
-
-
-STAND_IN_NODE = 0  # a node id that no real node has (Flower draws node ids at random, never 0)
-
-
-def _noise_reply(server_round: int, arrays: dict[str, np.ndarray], metrics: dict[str, Any]) -> Message:
-    """A stand-in train reply carrying ``arrays`` with ``metrics``: what the inner strategy aggregates in a DP
-    round without a valid reply (the global model plus the round's noise, weight 1)."""
-    meta = Metadata(
-        run_id=0,
-        message_id="",
-        src_node_id=STAND_IN_NODE,
-        dst_node_id=0,
-        reply_to_message_id="",
-        group_id=str(server_round),
-        created_at=0.0,
-        ttl=0.0,
-        message_type=MessageType.TRAIN,
-    )
-    content = RecordDict({keys.ARRAYS: to_record(arrays), keys.METRICS: MetricRecord(dict(metrics))})
-    return Message(content=content, metadata=meta)
 
 
 def _choice(key: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -370,181 +349,121 @@ class ClippingWrapper(Wrapper):
             return []
         return self.strategy.configure_train(server_round, arrays, config, grid)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def on_error_replies(self, server_round: int, errors: list[Message]) -> None:
+        """Error replies handed to ``aggregate_train`` by Flower's own loop: counted over the run, logged."""
+        self.error_replies += len(errors)
+        log.warning(
+            "round %d: %d error repl(ies) not aggregated (%d in this run), e.g. node %d: %s",
+            server_round,
+            len(errors),
+            self.error_replies,
+            errors[0].metadata.src_node_id,
+            first_line(str(errors[0].error.reason)),
+        )
+
+    def aggregate_cohort(
+        self, server_round: int, cohort: Any
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Clip, (noise,) delegate, report; see the module docstring."""
+        """Clip, (noise,) delegate, report; see the module docstring. Each row's update ``y_k - x`` (divided by
+        its ``num-steps`` under FedNova) is clipped to ``C`` in float64 where the rows are, the rows rebuilt as
+        ``x + gain (scale clip(d_k) + xi)``, then the inner strategy aggregates them. Client side, the clipped
+        bits are the ones the clients report (``clipped``). A row whose update is not finite is dropped."""
         if self.current is None:
             raise RuntimeError(f"{type(self).__name__}.aggregate_train called before configure_train")
-        c, m = self.clip_norm, self.clients_per_round
+        if len(cohort):
+            cohort, factor, bits, update = self._clip(server_round, cohort)
+        if not len(cohort):
+            return self._empty_round(server_round)
+        c, m, tau_pub = self.clip_norm, self.clients_per_round, self._public_tau_eff()
         floats = [k for k, a in self.current.items() if is_float(a)]
-        tau_pub = self._public_tau_eff()
-        kept: list[tuple[Message, dict, dict]] = []
-        bits: list[bool] = []  # True = not clipped (Andrew et al.'s b_k)
-        unclipping_clients = 0
-        errors: list[Message] = []
-        for msg in replies:
-            if msg.has_error():
-                errors.append(msg)
-                continue
-            arrays = reply_arrays(msg)
-            update = subtract({k: arrays[k] for k in floats}, self.current)
-            if tau_pub is not None:  # FedNova: clip the update per local step, (y_k - x) / tau_k
-                tau = max(float(reply_metrics(msg).get(keys.NUM_STEPS, 1)), 1.0)
-                update = {k: v / tau for k, v in update.items()}
-            try:
-                clipped, norm, was_clipped = clip(update, c)
-            except ValueError:
-                log.warning("round %d: dropped a reply whose update holds NaN or Inf", server_round)
-                continue
-            if self.side == "client":
-                was_clipped, above = self._client_clipped(norm, reply_metrics(msg).get(keys.CLIPPED))
-                unclipping_clients += above
-            kept.append((msg, arrays, clipped))
-            bits.append(not was_clipped)
-        if errors:
-            self.error_replies += len(errors)
-            log.warning(
-                "round %d: %d error repl(ies) not aggregated (%d in this run), e.g. node %d: %s",
-                server_round,
-                len(errors),
-                self.error_replies,
-                errors[0].metadata.src_node_id,
-                first_line(str(errors[0].error.reason)),
-            )
-        if unclipping_clients:
-            self._warn_above(server_round, unclipping_clients)
-        if not kept and not self.dp:
-            return None, None
-
-        sigma = noise_std(self.update_noise_multiplier, c, m)
-        scale, shift = 1.0, {k: 0.0 for k in floats}
-        if self.dp:
-            scale = len(kept) / m
-            rng = self._rng(server_round, UPDATE_NOISE)
-            shift = {k: rng.normal(0.0, sigma, np.shape(self.current[k])) for k in floats}
-        weight_key = base.weight_key(self.strategy)
-        gain = 1.0 if tau_pub is None else tau_pub  # FedNova: the public tau_eff times the noised mean
-        override = {weight_key: 1} if tau_pub is None else {weight_key: 1, keys.NUM_STEPS: float(tau_pub)}
-        rebuilt = []
-        for msg, arrays, clipped in kept:
-            new = {
-                k: np.asarray(self.current[k], np.float64) + gain * (scale * clipped[k] + shift[k])
-                for k in floats
-            }
-            new = cast_like({**arrays, **new}, arrays)
-            rebuilt.append(rebuild_reply(msg, new, override if self.dp else None))
-        if not kept:  # DP, no valid reply: the same release with an empty sum, x + gain * xi
-            noised = {k: np.asarray(self.current[k], np.float64) + gain * shift[k] for k in floats}
-            rebuilt.append(
-                _noise_reply(server_round, cast_like({**self.current, **noised}, self.current), override)
-            )
-            log.info(
-                "round %d: no valid reply; released the global model plus the round's noise", server_round
-            )
-
-        out, metrics = self.strategy.aggregate_train(server_round, rebuilt)
-        if out is None:
-            return None, metrics
-        if self.dp:
-            # the replies' own weights: train_loss means the same with and without noise
-            metrics = (
-                (base.train_metrics(self.strategy, [msg for msg, _, _ in kept], weight_key) or metrics)
-                if kept
-                else None
-            )
-            if metrics is not None and not self.debug_metrics:
-                metrics = {k: v for k, v in dict(metrics).items() if k not in _CLIENT_STATISTICS}
-        report = self._report(server_round, bits)
-        return out, MetricRecord({**(dict(metrics) if metrics is not None else {}), **report})
-
-    def takes_stacked(self) -> bool:
-        """Clipping takes a cohort's stacked replies when the strategy it wraps does: it clips (server side; client
-        side it checks the clients' clipping) and noises the rows where they are and hands the inner strategy the
-        stacked releases."""
-        return base.takes_stacked(self.strategy)
-
-    def aggregate_stacked(
-        self, server_round: int, stacked: Any
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """``aggregate_train`` of ``stacked.replies()`` without making them: each row's update ``y_k - x`` (divided
-        by its ``num-steps`` under FedNova) clipped to ``C`` in float64 where the rows are, the replies rebuilt as
-        ``x + gain (scale clip(d_k) + xi)`` with the noise the per-client form draws (the same generator, the
-        same order), then the inner strategy's ``aggregate_stacked``. Client side, the clipped bits are the ones
-        the clients report (``clipped``), as in the per-client form. Equal to the per-client form up to float64
-        rounding of the norms. Rows the screen let through but whose update is not finite, or parameters that
-        are not the model's, go the per-client way (which drops and names them)."""
-        import torch
-
-        if self.current is None:
-            raise RuntimeError(f"{type(self).__name__}.aggregate_stacked called before configure_train")
-        floats = [k for k, a in self.current.items() if is_float(a)]
-        if not len(stacked) or set(stacked.arrays) != set(self.current):
-            return self.aggregate_train(server_round, stacked.replies())
-        c, m = self.clip_norm, self.clients_per_round
-        rows = len(stacked)
-        device = next(iter(stacked.arrays.values())).device
-        x = {k: torch.as_tensor(np.asarray(self.current[k], np.float64), device=device) for k in floats}
-        tau_pub = self._public_tau_eff()
-        per_step = None
-        if tau_pub is not None:  # FedNova: clip the update per local step, (y_k - x) / tau_k
-            steps = [max(float(mt.get(keys.NUM_STEPS, 1)), 1.0) for mt in stacked.metrics]
-            per_step = torch.tensor(steps, dtype=torch.float64, device=device)
-
-        def update(k: str) -> torch.Tensor:
-            d = stacked.arrays[k].detach().double() - x[k]
-            return d if per_step is None else d / per_step.view(-1, *([1] * (d.dim() - 1)))
-
-        squares = torch.zeros(rows, dtype=torch.float64, device=device)
-        for k in floats:
-            squares += update(k).reshape(rows, -1).square().sum(1)
-        norms = squares.sqrt()
-        if not bool(torch.isfinite(norms).all()):
-            return self.aggregate_train(server_round, stacked.replies())
-        factor = torch.where(norms <= c, torch.ones_like(norms), c / norms)
-        bits = [bool(b) for b in (norms <= c).tolist()]  # True = not clipped
-        if self.side == "client":  # the clients' own bits, as in the per-client form
-            seen = [
-                self._client_clipped(n, mt.get(keys.CLIPPED))
-                for n, mt in zip(norms.tolist(), stacked.metrics)
-            ]
-            bits = [not was_clipped for was_clipped, _ in seen]
-            above = sum(a for _, a in seen)
-            if above:
-                self._warn_above(server_round, above)
-
-        sigma = noise_std(self.update_noise_multiplier, c, m)
         scale, gain = 1.0, 1.0 if tau_pub is None else tau_pub
         shift = dict.fromkeys(floats)
         if self.dp:
-            scale = rows / m
+            scale = len(cohort) / m
             rng = self._rng(server_round, UPDATE_NOISE)
+            sigma = noise_std(self.update_noise_multiplier, c, m)
+            device = next(iter(cohort.arrays.values())).device
             shift = {
                 k: torch.as_tensor(rng.normal(0.0, sigma, np.shape(self.current[k])), device=device)
                 for k in floats
             }
-        arrays = dict(stacked.arrays)
+        arrays = dict(cohort.arrays)
         for k in floats:
-            d = update(k) * (scale * factor).view(-1, *([1] * (x[k].dim())))
+            d = update(k) * (scale * factor).view(-1, *([1] * (np.ndim(self.current[k]))))
             if shift[k] is not None:
                 d = d + shift[k]
-            arrays[k] = (x[k] + gain * d).to(stacked.arrays[k].dtype)
-        weight_key = base.weight_key(self.strategy)
-        metrics = stacked.metrics
-        if self.dp:
-            override = {weight_key: 1} if tau_pub is None else {weight_key: 1, keys.NUM_STEPS: float(tau_pub)}
-            metrics = [{**mt, **override} for mt in metrics]
-        rebuilt = type(stacked)(stacked.messages, arrays, metrics)
-        out, aggregated = self.strategy.aggregate_stacked(server_round, rebuilt)
+            arrays[k] = (update.x[k] + gain * d).to(cohort.arrays[k].dtype)
+        metrics = [{**mt, **self._override()} for mt in cohort.metrics] if self.dp else None
+        out, aggregated = base.aggregate(self.strategy, server_round, cohort.replace(arrays, metrics))
         if out is None:
             return None, aggregated
         if self.dp:  # the replies' own weights: train_loss means the same with and without noise
-            aggregated = base.stacked_train_metrics(self.strategy, stacked, weight_key) or aggregated
+            aggregated = (
+                base.train_metrics(self.strategy, cohort, base.weight_key(self.strategy)) or aggregated
+            )
             if aggregated is not None and not self.debug_metrics:
                 aggregated = {k: v for k, v in dict(aggregated).items() if k not in _CLIENT_STATISTICS}
         return out, MetricRecord(
             {**(dict(aggregated) if aggregated is not None else {}), **self._report(server_round, bits)}
         )
+
+    def _override(self) -> dict[str, Any]:
+        """What DP sets in every reply's metrics: weight 1 (and FedNova's public ``num-steps``)."""
+        key, tau_pub = base.weight_key(self.strategy), self._public_tau_eff()
+        return {key: 1} if tau_pub is None else {key: 1, keys.NUM_STEPS: float(tau_pub)}
+
+    def _clip(self, server_round: int, cohort: Any) -> tuple[Any, Any, list[bool], Any]:
+        """The rows with a finite update, their clipping factors ``min(1, C / norm)``, their bits (True = not
+        clipped) and their updates (a function of the parameter name, in float64 where the rows are)."""
+        device = next(iter(cohort.arrays.values())).device
+        floats = [k for k, a in self.current.items() if is_float(a)]
+        norms = row_norms(cohort, self._updates(cohort, device), floats)
+        finite = torch.isfinite(norms)
+        if not bool(finite.all()):
+            keep = [i for i, ok in enumerate(finite.tolist()) if ok]
+            for _ in range(len(cohort) - len(keep)):
+                log.warning("round %d: dropped a reply whose update holds NaN or Inf", server_round)
+            cohort, norms = cohort.take(keep), norms[finite]
+        update = self._updates(cohort, device)
+        c = self.clip_norm
+        factor = torch.where(norms <= c, torch.ones_like(norms), c / norms)
+        bits = [bool(b) for b in (norms <= c).tolist()]
+        if self.side == "client":  # the clients' own bits
+            seen = [
+                self._client_clipped(n, mt.get(keys.CLIPPED)) for n, mt in zip(norms.tolist(), cohort.metrics)
+            ]
+            bits = [not was_clipped for was_clipped, _ in seen]
+            above = sum(a for _, a in seen)
+            if above:
+                self._warn_above(server_round, above)
+        return cohort, factor, bits, update
+
+    def _updates(self, cohort: Any, device: Any) -> Any:
+        """The rows' updates (``clip_rows.row_updates``), per local step under FedNova."""
+        return row_updates(self.current, cohort, device, per_step=self._public_tau_eff() is not None)
+
+    def _empty_round(self, server_round: int) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """A round without a valid reply: nothing without DP; under DP the release of an empty sum, the global
+        model plus the round's noise ``x + gain * xi`` (one stand-in reply of weight 1)."""
+        if not self.dp:
+            return None, None
+        from fedsim.messages import Cohort
+
+        floats = [k for k, a in self.current.items() if is_float(a)]
+        tau_pub = self._public_tau_eff()
+        gain = 1.0 if tau_pub is None else tau_pub
+        rng = self._rng(server_round, UPDATE_NOISE)
+        sigma = noise_std(self.update_noise_multiplier, self.clip_norm, self.clients_per_round)
+        shift = {k: rng.normal(0.0, sigma, np.shape(self.current[k])) for k in floats}
+        noised = {k: np.asarray(self.current[k], np.float64) + gain * shift[k] for k in floats}
+        reply = noise_reply(
+            server_round, cast_like({**self.current, **noised}, self.current), self._override()
+        )
+        log.info("round %d: no valid reply; released the global model plus the round's noise", server_round)
+        out, _ = base.aggregate(self.strategy, server_round, Cohort.from_replies([reply]))
+        if out is None:
+            return None, None
+        return out, MetricRecord(self._report(server_round, []))
 
     def _client_clipped(self, norm: float, reported: Any) -> tuple[bool, bool]:
         """Client side: whether the update of norm ``norm`` counts as clipped (its client's ``clipped`` flag, else a

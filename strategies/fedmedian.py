@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedsim.strategies.aggregate import coordinate_median, coordinate_median_stacked
+from fedsim.strategies.aggregate import coordinate_median_stacked
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 
@@ -29,12 +29,6 @@ class FedMedian(ServerMomentum):
 
     releases = (Release("its global model (a coordinate-wise median)", ROBUST),)
 
-    def combine(
-        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
-    ) -> dict[str, np.ndarray]:
-        """The server step towards the coordinate-wise median of ``models``."""
-        return self.server_step(coordinate_median(models))
-
-    def combine_stacked(self, stacked, weights: Sequence[float]) -> dict[str, np.ndarray]:
-        """``combine`` of a cohort's stacked replies: the same median of the same float64 values."""
-        return self.server_step(coordinate_median_stacked(stacked.host_arrays()))
+    def combine_cohort(self, cohort, weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """The server step towards the coordinate-wise median of the cohort's models (float64)."""
+        return self.server_step(coordinate_median_stacked(cohort.host_arrays()))

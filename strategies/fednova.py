@@ -10,9 +10,9 @@ updates and rescales by the effective number of steps (vanilla local SGD: ``a_i 
 
 With equal ``tau_i`` this is FedAvg. ``tau_i`` is the reply's ``num-steps``.
 
-Batched form (a cohort's models stacked on the device, ``combine_stacked``): with ``v_i = p_i / tau_i`` and
-``S = sum_i v_i``, ``sum_i p_i (x - y_i) / tau_i = S (x - sum_i v_i y_i / S)``, so one weighted mean of the rows
-(weights ``v``) gives the step; equal to ``combine`` up to float64 rounding.
+Computed on the round's cohort (its models stacked where they sit, ``combine_cohort``): with ``v_i = p_i / tau_i``
+and ``S = sum_i v_i``, ``sum_i p_i (x - y_i) / tau_i = S (x - sum_i v_i y_i / S)``, so one weighted mean of the
+rows (weights ``v``) gives the step (equal to the per-client sum up to float64 rounding).
 
 **Under DP** (``clipping.noise_multiplier > 0``) the clipping wrapper privatises the normalised updates: it
 clips ``(y_i - x) / tau_i`` to ``C`` and releases, with uniform weights and ``xi ~ N(0, (z C / m)^2)``::
@@ -36,10 +36,9 @@ from fedsim.checks import number
 from fedsim.strategies.aggregate import is_float, normalised_weights
 from fedsim.strategies.composition import NORMALISED, Release
 from fedsim.strategies.fedavg import FedAvg
-from fedsim.strategies.records import reply_metrics
 
 if TYPE_CHECKING:
-    from fedsim.messages import StackedReplies
+    from fedsim.messages import Cohort
 
 
 class FedNova(FedAvg):
@@ -66,41 +65,19 @@ class FedNova(FedAvg):
         self.current = to_numpy(arrays)
         return super().configure_train(server_round, arrays, config, grid)
 
-    def _parse(self, replies):
-        valid, models, weights = super()._parse(replies)
-        self._steps = [float(reply_metrics(m).get(keys.NUM_STEPS, 1)) for m in valid]
-        return valid, models, weights
-
-    def combine(
-        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
-    ) -> dict[str, np.ndarray]:
-        """``x - lr * tau_eff * sum_i p_i (x - y_i) / tau_i`` on float arrays; others from the mean."""
-        x = self.current
-        p = np.asarray(weights, np.float64) / float(np.sum(weights))
-        tau = np.maximum(np.asarray(self._steps, np.float64), 1.0)
-        tau_eff = float(np.sum(p * tau))
-        out = super().combine(models, weights)
-        for k in out:
-            if is_float(x[k]):
-                d = sum(
-                    pi * (np.asarray(x[k], np.float64) - np.asarray(m[k], np.float64)) / ti
-                    for pi, ti, m in zip(p, tau, models)
-                )
-                out[k] = np.asarray(x[k], np.float64) - self.server_lr * tau_eff * d
-        return out
-
-    def combine_stacked(self, stacked: StackedReplies, weights: Sequence[float]) -> dict[str, np.ndarray]:
-        """``combine`` of the stacked rows: ``x - lr * tau_eff * S (x - sum_i v_i y_i / S)``, ``v_i = p_i / tau_i``
-        (one weighted mean where the rows are); arrays that are not floating point from the plain mean."""
+    def combine_cohort(self, cohort: Cohort, weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """``x - lr * tau_eff * S (x - sum_i v_i y_i / S)``, ``v_i = p_i / tau_i``, ``tau_i`` the rows'
+        ``num-steps`` (one weighted mean where the rows are); arrays that are not floating point from the plain
+        mean."""
         x = self.current
         p = normalised_weights(weights)
-        tau = np.maximum([float(m.get(keys.NUM_STEPS, 1)) for m in stacked.metrics], 1.0)
+        tau = np.maximum([float(m.get(keys.NUM_STEPS, 1)) for m in cohort.metrics], 1.0)
         tau_eff = float(np.sum(p * tau))
         v = p / tau
         s = float(np.sum(v))
-        out = stacked.weighted_mean(v)
+        out = cohort.weighted_mean(v)
         if not all(is_float(x[k]) for k in out):
-            plain = stacked.weighted_mean(weights)
+            plain = cohort.weighted_mean(weights)
             out = {k: (out[k] if is_float(x[k]) else plain[k]) for k in out}
         for k in out:
             if is_float(x[k]):

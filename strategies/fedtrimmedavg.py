@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from fedsim.checks import integer, number
-from fedsim.strategies.aggregate import trimmed_mean, trimmed_mean_stacked
+from fedsim.strategies.aggregate import trimmed_mean_stacked
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 
@@ -55,12 +55,6 @@ class FedTrimmedAvg(ServerMomentum):
                 1 / cohort_size,
             )
 
-    def combine(
-        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
-    ) -> dict[str, np.ndarray]:
-        """The server step towards the coordinate-wise beta-trimmed mean of ``models``."""
-        return self.server_step(trimmed_mean(models, self.beta))
-
-    def combine_stacked(self, stacked, weights: Sequence[float]) -> dict[str, np.ndarray]:
-        """``combine`` of a cohort's stacked replies: the same trimmed mean of the same float64 values."""
-        return self.server_step(trimmed_mean_stacked(stacked.host_arrays(), self.beta))
+    def combine_cohort(self, cohort, weights: Sequence[float]) -> dict[str, np.ndarray]:
+        """The server step towards the coordinate-wise beta-trimmed mean of the cohort's models (float64)."""
+        return self.server_step(trimmed_mean_stacked(cohort.host_arrays(), self.beta))

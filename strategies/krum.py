@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
-from flwr.supercore import log as flwr_log
+from flwr.app import ArrayRecord, MetricRecord
 
 from fedsim.checks import integer
 from fedsim.errors import ConfigError
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import cast_like, flatten, is_float, krum_select, weighted_mean
+from fedsim.strategies.aggregate import cast_like, is_float, krum_select
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 from fedsim.strategies.flower_names import alias
@@ -109,61 +106,38 @@ class Krum(ServerMomentum):
                 f"an integer in [1, {cohort_size - f}] (cohort {cohort_size} - num_malicious {f})",
             )
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Select by Krum score, average the selected models and their metrics."""
-        valid, models, _ = self._parse(replies)
-        if not valid:
-            return None, None
-        if len(valid) < self.min_cohort():
-            if getattr(self, "_in_flower_loop", False):  # absent in strategies pickled before it existed
-                log.warning(
-                    "round %d skipped: %d valid replies, Krum needs at least %d (num_malicious=%d, "
-                    "num_selected=%d); the model is kept",
-                    server_round,
-                    len(valid),
-                    self.min_cohort(),
-                    self.num_malicious,
-                    self.num_selected,
-                )
-                return None, None
-            raise ConfigError(
-                f"round {server_round} valid replies",
-                len(valid),
-                f"at least {self.min_cohort()} for Krum (num_malicious={self.num_malicious}, "
-                f"num_selected={self.num_selected})",
-                f"Set min_replies >= {self.min_cohort()} to skip such rounds before aggregation.",
-            )
-        flat = np.stack([flatten({k: a for k, a in m.items() if is_float(a)}) for m in models])  # (n, d)
-        chosen = krum_select(flat, self.num_malicious, self.num_selected)
-        arrays = self.server_step(weighted_mean([models[i] for i in chosen], [1.0] * len(chosen)))
-        metrics = self.train_metrics_aggr_fn([valid[i].content for i in chosen], self.weighted_by_key)
-        return to_record(cast_like(arrays, models[0])), metrics
-
-    def _chosen_stacked(self, stacked) -> list[int]:
-        """Krum's choice among stacked rows: the same float64 rows ``aggregate_train`` scores, the same scores."""
-        host = stacked.host_arrays()
-        n = len(stacked)
+    def aggregate_rows(self, server_round: int, cohort) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Select rows by Krum score; the server step to their uniform mean, their averaged metrics. A cohort
+        too small for Krum raises ``ConfigError`` (the loop skips the round), or inside Flower's own loop
+        skips the round with a warning."""
+        if len(cohort) < self.min_cohort():
+            return self._too_few(server_round, len(cohort))
+        host = cohort.host_arrays()
+        n = len(cohort)
         flat = np.concatenate([a.reshape(n, -1) for a in host.values() if is_float(a)], axis=1)  # (n, d)
-        return krum_select(flat, self.num_malicious, self.num_selected)
-
-    def combine_stacked(self, stacked, weights) -> dict[str, np.ndarray]:
-        """The server step to the uniform mean of the rows Krum keeps (float64): the batched form of Krum's
-        aggregation that ``takes_stacked`` looks for; ``aggregate_stacked`` does the same and keeps the choice
-        for the metrics."""
-        chosen = self._chosen_stacked(stacked)
-        return self.server_step(stacked.take(chosen).weighted_mean([1.0] * len(chosen)))
-
-    def aggregate_stacked(self, server_round: int, stacked) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """``aggregate_train`` of ``stacked.replies()`` without making them: Krum's choice among the rows, the
-        server step to their uniform mean, the chosen rows' metrics. A cohort too small for Krum, or rows without
-        the weight key, go the per-client way (which raises, skips or names them)."""
-        key = self.weighted_by_key
-        if len(stacked) < self.min_cohort() or any(key not in m for m in stacked.metrics):
-            return self.aggregate_train(server_round, stacked.replies())
-        flwr_log(INFO, "%s: Received %s results and %s failures", "aggregate_train", len(stacked), 0)
-        chosen = self._chosen_stacked(stacked)
-        kept = stacked.take(chosen)
+        chosen = krum_select(flat, self.num_malicious, self.num_selected)
+        kept = cohort.take(chosen)
         arrays = self.server_step(kept.weighted_mean([1.0] * len(chosen)))
-        return to_record(cast_like(arrays, stacked.dtypes())), base.stacked_train_metrics(self, kept, key)
+        return to_record(cast_like(arrays, cohort.dtypes())), base.train_metrics(
+            self, kept, self.weighted_by_key
+        )
+
+    def _too_few(self, server_round: int, valid: int) -> tuple[None, None]:
+        if getattr(self, "_in_flower_loop", False):  # absent in strategies pickled before it existed
+            log.warning(
+                "round %d skipped: %d valid replies, Krum needs at least %d (num_malicious=%d, "
+                "num_selected=%d); the model is kept",
+                server_round,
+                valid,
+                self.min_cohort(),
+                self.num_malicious,
+                self.num_selected,
+            )
+            return None, None
+        raise ConfigError(
+            f"round {server_round} valid replies",
+            valid,
+            f"at least {self.min_cohort()} for Krum (num_malicious={self.num_malicious}, "
+            f"num_selected={self.num_selected})",
+            f"Set min_replies >= {self.min_cohort()} to skip such rounds before aggregation.",
+        )

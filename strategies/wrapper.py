@@ -14,6 +14,7 @@ carries it, and the ClientApp and the engines apply it around local training.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -23,6 +24,8 @@ from flwr.serverapp.strategy import Strategy
 
 from fedsim.errors import ConfigError
 from fedsim.strategies import base
+
+log = logging.getLogger("fedsim")
 
 
 class Wrapper(Strategy):
@@ -34,8 +37,8 @@ class Wrapper(Strategy):
         Where the fold puts it: a lower number sits closer to the strategy (clipping 10, compression 20,
         attack 30, selection 40; a user's feature 50 unless it says otherwise).
     ``touches_replies``
-        True (the default) when it reads or changes the replies before the strategy aggregates them; one that
-        leaves them alone (selection) passes the stacked cohort path on (``base.AggregatesStacked``).
+        True (the default) when it reads or changes the replies before the strategy aggregates them (in
+        :meth:`aggregate_cohort`, its one form); selection leaves them alone.
     ``client_half``
         The class path of its client half (``fedsim.algorithms.halves.ClientHalf``), or None.
     ``run_arguments``
@@ -81,7 +84,33 @@ class Wrapper(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        return self.strategy.aggregate_train(server_round, replies)
+        """Flower's form: the replies that are not errors, stacked, through :meth:`aggregate_cohort`."""
+        from fedsim.messages import Cohort
+
+        replies = list(replies)
+        errors = [m for m in replies if m.has_error()]
+        if errors:
+            self.on_error_replies(server_round, errors)
+        return self.aggregate_cohort(
+            server_round, Cohort.from_replies([m for m in replies if not m.has_error()])
+        )
+
+    def aggregate_cohort(
+        self, server_round: int, cohort: Any
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's aggregation on its cohort (``fedsim.messages.Cohort``); a feature that changes the
+        replies overrides this, written once for every engine. Default: the inner strategy's."""
+        return base.aggregate(self.strategy, server_round, cohort)
+
+    def on_error_replies(self, server_round: int, errors: list[Message]) -> None:
+        """Error replies handed to :meth:`aggregate_train` (by a Flower loop; fedsim's screens them out):
+        not aggregated, logged."""
+        log.warning(
+            "round %d: %d error repl(ies) not aggregated, e.g. node %d",
+            server_round,
+            len(errors),
+            errors[0].metadata.src_node_id,
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -118,13 +147,6 @@ class Wrapper(Strategy):
     @property
     def releases_every_round(self) -> bool:
         return base.releases_every_round(self.strategy)
-
-    def takes_stacked(self) -> bool:
-        """The inner strategy's answer when this wrapper leaves the replies alone; False when it touches them."""
-        return not self.touches_replies and base.takes_stacked(self.strategy)
-
-    def aggregate_stacked(self, server_round: int, stacked: Any) -> tuple[Any, MetricRecord | None]:
-        return self.strategy.aggregate_stacked(server_round, stacked)
 
     def summary_fields(self) -> dict[str, Any]:
         """The inner strategy's summary.json entries and this feature's (:meth:`own_summary_fields`)."""

@@ -558,3 +558,101 @@ def test_a_client_algorithm_with_state_is_new_files_only(tmp_path, monkeypatch, 
         2.0,
         3.0,
     ]  # metrics.jsonl: snake_case
+
+
+# ------------------------------------------------------------- a user's subclass of a shipped class
+SUBCLASSES = '''
+import numpy as np
+
+from fedsim.attacks import SignFlip
+from fedsim.strategies.clipping import FixedClipping
+from fedsim.strategies.fedavg import FedAvg
+from fedsim.strategies.krum import Krum
+
+CALLS = []
+
+
+class QuietFlip(SignFlip):
+    """Flower's per-client form overridden: the attackers' replies are left out before the attack."""
+
+    def aggregate_train(self, server_round, replies):
+        CALLS.append(type(self).__name__)
+        replies = [r for r in replies if int(r.content["metrics"]["partition-id"]) not in self.malicious]
+        return super().aggregate_train(server_round, replies)
+
+
+class LoudFlip(SignFlip):
+    """The per-client hook overridden: attackers send -5 d."""
+
+    def craft(self, server_round, honest, own, pids):
+        CALLS.append(type(self).__name__)
+        return -5.0 * own
+
+
+class LaterClipping(FixedClipping):
+    """Flower's per-client form overridden: the reply of the lowest partition id is left out."""
+
+    def aggregate_train(self, server_round, replies):
+        CALLS.append(type(self).__name__)
+        return super().aggregate_train(server_round, list(replies)[1:])
+
+
+class FirstOnly(FedAvg):
+    """The per-client combine overridden: the first client's model."""
+
+    def combine(self, models, weights):
+        CALLS.append(type(self).__name__)
+        return {k: np.asarray(v, np.float64) for k, v in models[0].items()}
+
+
+class LaterKrum(Krum):
+    """Flower's per-client form overridden: the reply of the lowest partition id is left out."""
+
+    def aggregate_train(self, server_round, replies):
+        CALLS.append(type(self).__name__)
+        return super().aggregate_train(server_round, list(replies)[1:])
+'''
+
+CASES = {
+    "QuietFlip": ["attack=sign_flip", "attack._target_=subclasses.QuietFlip", "attack.fraction=0.5"],
+    "LoudFlip": ["attack=sign_flip", "attack._target_=subclasses.LoudFlip", "attack.fraction=0.5"],
+    "LaterClipping": [
+        "clipping=fixed",
+        "clipping._target_=subclasses.LaterClipping",
+        "clipping.clip_norm=0.05",
+    ],
+    "FirstOnly": ["strategy._target_=subclasses.FirstOnly"],
+    "LaterKrum": ["strategy=krum", "strategy._target_=subclasses.LaterKrum", "clients_per_round=4"],
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_users_subclass_of_a_shipped_class_is_honoured_on_every_engine(tmp_path, monkeypatch, name):
+    """Issue 38's case and its kin: a user's subclass of a shipped attack, wrapper or strategy that overrides a
+    per-client hook (Flower's ``aggregate_train``, ``craft``, ``combine``) is called on ``inprocess`` and on the
+    default engine every round, and the two runs agree (``test_matrix``'s tolerance), while the override
+    visibly changes the default engine's model (against the shipped class's run)."""
+    from test_matrix import _assert_agree, _tolerance
+
+    from fedsim.run import run_experiment
+
+    (tmp_path / "subclasses.py").write_text(SUBCLASSES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("subclasses", None)
+    import subclasses
+
+    base_over = ["num_clients=6", "clients_per_round=3", "num_rounds=2", "quiet=true", *CASES[name]]
+    cfgs = {}
+    for engine in ("inprocess", "auto"):
+        subclasses.CALLS.clear()
+        cfgs[engine] = compose(*base_over, f"engine={engine}")
+        assert run_experiment(cfgs[engine], tmp_path / engine)["status"] == "completed"
+        assert subclasses.CALLS.count(name) >= 1, (engine, subclasses.CALLS)
+    sys.modules.pop("subclasses", None)
+    _assert_agree(
+        tmp_path / "inprocess", tmp_path / "auto", _tolerance(cfgs["inprocess"], tmp_path / "inprocess")
+    )
+    shipped = [o for o in base_over if "_target_" not in o]
+    run_experiment(compose(*shipped, "engine=auto"), tmp_path / "shipped")
+    a, b = torch.load(tmp_path / "auto" / "model.pt"), torch.load(tmp_path / "shipped" / "model.pt")
+    assert any(not torch.equal(a[k], b[k]) for k in a), "the override changed nothing"

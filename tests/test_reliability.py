@@ -1061,14 +1061,11 @@ def test_duplicate_partitions_unknown_nodes_and_all_zero_examples_are_dropped():
 @pytest.mark.slow
 def test_a_run_with_a_garbled_reply_every_round_goes_on_and_counts_it(tmp_path, monkeypatch):
     """In the loop: one reply per round gets an extra metric key and bytes unlike its metadata; the round
-    aggregates the others and metrics.jsonl counts the failure. (The replies are Messages here: a cohort
-    trained batched and aggregated stacked has no reply to garble.)"""
+    aggregates the others and metrics.jsonl counts the failure. (The replies are Messages here, engine=inprocess;
+    tests/test_stacked.py garbles the same replies on every engine's path.)"""
     from flwr.app import MetricRecord
 
     import fedsim.server as server
-    from fedsim.strategies import base
-
-    monkeypatch.setattr(base, "takes_stacked", lambda strategy: False)
 
     original = server.screen_replies
 
@@ -1079,7 +1076,7 @@ def test_a_run_with_a_garbled_reply_every_round_goes_on_and_counts_it(tmp_path, 
         return original(replies, *rest)
 
     monkeypatch.setattr(server, "screen_replies", garble)
-    summary = run_tiny(tmp_path, "num_rounds=2")
+    summary = run_tiny(tmp_path, "num_rounds=2", "engine=inprocess")
     recs = read_metrics(tmp_path)[1:]
     assert summary["status"] == "completed"
     assert [r["failures"] for r in recs] == [1, 1] and [r["num_clients"] for r in recs] == [2, 2]

@@ -1,5 +1,6 @@
-"""The device-resident cohort path: a cohort trained batched keeps its replies as stacked tensors, and the
-strategies with a batched form (``aggregate_stacked``) aggregate them with the result of their per-client form."""
+"""The round's cohort (``fedsim.messages.Cohort``): rows = clients, models stacked where they sit. A cohort trained
+batched stays stacked tensors; per-client replies are stacked into one; every aggregator and wrapper is written
+once against it, checked here against independent oracles (numpy's closed forms, Flower's own strategies)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
-from fedsim import build, comm, keys, messages, seeds
+from fedsim import attacks, build, comm, keys, messages, seeds
 from fedsim.engines.vectorized import VectorizedGrid
-from fedsim.grid_utils import SampledGrid, screen_replies, screen_stacked
-from fedsim.messages import StackedReplies, array_record, device_mean
+from fedsim.grid_utils import screen_replies
+from fedsim.messages import Cohort, array_record, device_mean
+from fedsim.screen import screen_cohort
 from fedsim.seeds import torch_generator, torch_generators
 from fedsim.strategies import base
 from fedsim.strategies.aggregate import weighted_mean
@@ -38,8 +40,6 @@ BATCHED_FORM = [
     "fedtrimmedavg strategy.beta=0.25 attack=ipm attack.fraction=0.5",
     "krum attack=gaussian attack.fraction=0.5",
 ]
-ATTACKED = [name for name in BATCHED_FORM if "attack=" in name]
-# batched forms equal to their per-client form up to float64 rounding (not bit for bit)
 ROUNDED_FORM = [
     "fednova",
     "fedavg clipping=fixed",
@@ -55,7 +55,7 @@ ROUNDED_FORM = [
 PER_CLIENT_ONLY = ["feddyn", "scaffold", "fedavg compression=topk"]
 
 
-def _stacked(k: int, seed: int = 0, **bad) -> StackedReplies:
+def _stacked(k: int, seed: int = 0, **bad) -> Cohort:
     """``k`` rows of a small model's parameters with fedsim's train metrics, answering real train messages."""
     gen = torch.Generator().manual_seed(seed)
     arrays = {
@@ -82,7 +82,7 @@ def _stacked(k: int, seed: int = 0, **bad) -> StackedReplies:
         arrays["0.bias"][row, 2] = float("nan")
     for row in bad.get("inf_loss_rows", ()):
         metrics[row][keys.TRAIN_LOSS] = float("inf")
-    return StackedReplies(msgs, arrays, metrics)
+    return Cohort(msgs, arrays, metrics)
 
 
 @pytest.mark.parametrize("at_once", [True, False], ids=["every-parameter-at-once", "parameter-by-parameter"])
@@ -120,7 +120,7 @@ def test_the_replies_it_stands_for_are_the_engines_and_sized_without_being_made(
         assert dict(rep.content[keys.METRICS].items()) == stacked.metrics[i]
         for n, t in stacked.arrays.items():
             assert rep.content[keys.ARRAYS][n].data == array_record({n: t[i]})[n].data
-    assert comm.stacked_bytes(stacked) == comm.message_bytes(replies)
+    assert comm.cohort_bytes(stacked) == comm.message_bytes(replies)
 
 
 def test_a_cohorts_generators_seeded_together_are_torch_generators():
@@ -177,38 +177,113 @@ def test_to_record_writes_the_bytes_flower_writes(a):
     assert np.array_equal(got.numpy(), a)
 
 
-def test_the_stacked_screen_drops_nonfinite_rows_as_the_message_screen_does():
-    stacked = _stacked(6, nan_rows=[1, 4], inf_loss_rows=[4, 5])
-    reference = array_record({n: t[0] for n, t in stacked.arrays.items()})
-    partitions = {i + 1: i for i in range(6)}
-    valid, failures = screen_stacked(stacked, reference, partitions)
-    want_valid, want_failures = screen_replies(stacked.replies(), reference, partitions)
-    assert failures == want_failures and len(failures) == 3
-    assert (
-        valid.partition_ids
-        == [int(r.content[keys.METRICS][keys.PARTITION_ID]) for r in want_valid]
-        == [0, 2, 3]
-    )
-    assert torch.equal(valid.arrays["0.weight"], stacked.arrays["0.weight"][[0, 2, 3]])
+def _garble(metrics: list[dict], kind: str) -> None:
+    """One kind of garbled train metrics, in rows 1 (and 3)."""
+    m1, m3 = metrics[1], metrics[3]
+    if kind == "huge-num-examples":
+        m1[keys.NUM_EXAMPLES] = 1e300
+    elif kind == "nan-num-examples":
+        m1[keys.NUM_EXAMPLES] = float("nan")
+    elif kind == "fractional-num-examples":
+        m1[keys.NUM_EXAMPLES] = 2.5
+    elif kind == "negative-num-examples":
+        m1[keys.NUM_EXAMPLES] = -3
+    elif kind == "no-num-examples":
+        del m1[keys.NUM_EXAMPLES]
+    elif kind == "fractional-partition-id":
+        m1[keys.PARTITION_ID] = 1.5
+    elif kind == "another-nodes-partition":
+        m1[keys.PARTITION_ID] = 4
+    elif kind == "duplicate-partition":
+        m1[keys.PARTITION_ID] = m3[keys.PARTITION_ID] = 4
+    elif kind == "extra-metric-key":
+        m1["surprise"] = 1.0
+    elif kind == "missing-metric-key":
+        del m1[keys.TRAIN_LOSS], m3[keys.TRAIN_LOSS]
+    elif kind == "every-num-examples-0":
+        for m in metrics:
+            m[keys.NUM_EXAMPLES] = 0
+    elif kind == "nonfinite":
+        m1[keys.TRAIN_LOSS] = float("inf")
 
 
-def test_the_stacked_screen_leaves_what_it_does_not_check_to_the_message_screen():
+GARBLED = [
+    "huge-num-examples",
+    "nan-num-examples",
+    "fractional-num-examples",
+    "negative-num-examples",
+    "no-num-examples",
+    "fractional-partition-id",
+    "another-nodes-partition",
+    "duplicate-partition",
+    "extra-metric-key",
+    "missing-metric-key",
+    "every-num-examples-0",
+    "nonfinite",
+]
+
+
+@pytest.mark.parametrize("partitions", [True, False], ids=["discovered", "no-discovery"])
+@pytest.mark.parametrize("kind", GARBLED)
+def test_one_screen_drops_the_same_garbled_replies_on_every_engines_path(kind, partitions):
+    """The same garbled replies through the batched engine's path (the cohort screened as it is) and the
+    per-client engines' path (its Messages through ``screen_replies``): the same rows kept, the same failures
+    (kind and detail), in the same order."""
+    cohort = _stacked(6, nan_rows=[5] if kind == "nonfinite" else [])
+    _garble(cohort.metrics, kind)
+    reference = array_record({n: t[0] for n, t in cohort.arrays.items()})
+    nodes = {i + 1: i for i in range(6)} if partitions else None
+    want_valid, want_failures = screen_replies(cohort.replies(), reference, nodes)
+    valid, failures = screen_cohort(cohort, reference, nodes)
+    assert failures == want_failures and failures, kind
+    assert valid.partition_ids == [int(r.content[keys.METRICS][keys.PARTITION_ID]) for r in want_valid]
+    for n, t in valid.arrays.items():
+        rows = [r.content[keys.ARRAYS][n].numpy() for r in want_valid]
+        assert np.array_equal(t.numpy(), np.stack(rows) if rows else t.numpy()[:0]), n
+
+
+def test_a_stack_unlike_the_global_model_goes_to_the_message_screen():
     stacked = _stacked(3)
-    reference = array_record({n: t[0] for n, t in stacked.arrays.items()})
-    assert screen_stacked(stacked, reference, {1: 0, 2: 1, 3: 2}) is not None
     other = array_record({n: t[0, ..., :1] if t.dim() > 1 else t[0] for n, t in stacked.arrays.items()})
-    assert screen_stacked(stacked, other, None) is None  # shapes differ: the message screen names them
-    assert screen_stacked(stacked, reference, {1: 0, 2: 1, 3: 7}) is None  # a node's partition differs
-    for m in stacked.metrics:
-        m[keys.NUM_EXAMPLES] = 0
-    assert screen_stacked(stacked, reference, None) is None  # nothing to weight by
+    assert screen_cohort(stacked, other, None) is None  # shapes differ: the message screen names them
+
+
+@pytest.mark.parametrize("kind", ["huge-num-examples", "nan-num-examples", "extra-metric-key"])
+def test_a_garbled_reply_fails_alike_in_the_loop_on_both_engines(tmp_path, monkeypatch, kind):
+    """A client's train metrics garbled where both engines write them (``train_metrics``): the run goes on
+    with the same failures and failure kinds each round on ``inprocess`` and the default engine (a huge or
+    NaN num-examples once zeroed the batched path's model or failed its run)."""
+    import fedsim.engines.vectorized as vectorized
+
+    original = messages.train_metrics
+
+    def garbled(**kw):
+        out = original(**kw)
+        if kw["partition_id"] == 1:
+            metrics = [out, out, out, out]
+            _garble(metrics, kind)
+            out = metrics[1]
+        return out
+
+    monkeypatch.setattr(messages, "train_metrics", garbled)
+    monkeypatch.setattr(vectorized, "train_metrics", garbled)
+    runs = {}
+    for engine in ("inprocess", "auto"):
+        summary = run_tiny(tmp_path / engine, f"engine={engine}", "num_clients=4", "clients_per_round=4")
+        assert summary["status"] == "completed", engine
+        runs[engine] = [
+            (r.get("failures"), r.get("failure_kinds"), r.get("num_clients"))
+            for r in read_metrics(tmp_path / engine)
+        ]
+    assert runs["inprocess"] == runs["auto"] and runs["auto"][-1] == (1, {"malformed": 1}, 3)
+    assert read_metrics(tmp_path / "auto")[-1]["eval_accuracy"] > 0.2
 
 
 @pytest.mark.parametrize("name", BATCHED_FORM + ROUNDED_FORM + PER_CLIENT_ONLY)
-def test_which_strategies_take_stacked_replies(name):
+def test_which_strategies_take_the_cohort(name):
     cfg = compose_cfg("num_clients=6", *_overrides(name))
     strategy = build.build_strategy(cfg, 4)
-    assert base.takes_stacked(strategy) == (name not in PER_CLIENT_ONLY)
+    assert base.takes_cohort(strategy) == (name.split()[0] not in ("feddyn", "scaffold"))
 
 
 def _overrides(name: str) -> list[str]:
@@ -216,93 +291,90 @@ def _overrides(name: str) -> list[str]:
     return [f"strategy={strategy}", *rest]
 
 
-def test_wrappers_and_subclasses_that_change_the_aggregate_get_messages():
-    for over in (
-        ["compression=topk"],
-        ["compression=topk", "attack=sign_flip"],
-        ["selection=power_of_choice", "strategy=feddyn"],
-        ["attack=alie", "strategy=scaffold"],
-    ):
-        assert not base.takes_stacked(build.build_strategy(compose_cfg("num_clients=6", *over), 4)), over
-    # selection leaves the replies alone, clipping and the attacks have their batched forms: they take them
-    # stacked when the strategy they wrap does
-    for over in (
-        ["selection=power_of_choice"],
-        ["selection=power_of_choice", "attack=sign_flip"],
-        ["selection=power_of_choice", "strategy=fedmedian"],
-        ["clipping=fixed", "clipping.side=client", "strategy=fedmedian"],
-        ["attack=alie", "strategy=krum"],
-    ):
-        assert base.takes_stacked(build.build_strategy(compose_cfg("num_clients=6", *over), 4)), over
-
-    class Median(FedAvg):
-        def combine(self, models, weights):
-            return {k: np.median([m[k] for m in models], axis=0) for k in models[0]}
+def test_a_subclass_that_overrides_flowers_aggregate_train_gets_messages():
+    class Mine(FedAvg):
+        def aggregate_train(self, server_round, replies):
+            return super().aggregate_train(server_round, replies)
 
     class Halved(FedAvg):
         def server_step(self, mean):
             return {k: v / 2 for k, v in mean.items()}
 
-    class BatchedMedian(Median):  # gives its batched form: takes them stacked
-        def combine_stacked(self, stacked, weights):
-            return {k: t.double().median(0).values.numpy() for k, t in stacked.arrays.items()}
+    class Flip(attacks.SignFlip):
+        def aggregate_train(self, server_round, replies):
+            return super().aggregate_train(server_round, replies)
 
-    class MedianAgain(BatchedMedian):  # replaces combine again without a batched form: Messages
-        def combine(self, models, weights):
-            return super().combine(models, weights)
-
-    assert not base.takes_stacked(Median()) and base.takes_stacked(Halved())
-    assert base.takes_stacked(BatchedMedian()) and not base.takes_stacked(MedianAgain())
-    assert base.takes_stacked(FedAvg()) and not base.takes_stacked(object())
+    assert not base.takes_cohort(Mine()) and base.takes_cohort(Halved()) and base.takes_cohort(FedAvg())
+    flip = Flip(strategy=FedAvg(), fraction=0.5, num_clients=4, clients_per_round=4, seed=0)
+    assert not base.takes_cohort(flip) and not base.takes_cohort(object())
 
 
-def _no_messages():
-    raise AssertionError("the batched form made the per-client Messages")
+def _flower(name: str):
+    from flwr.serverapp import strategy as flower
+
+    return {
+        "fedavg": flower.FedAvg(),
+        "fedmedian": flower.FedMedian(),
+        "fedtrimmedavg": flower.FedTrimmedAvg(beta=0.25),
+        "krum": flower.Krum(num_malicious_nodes=0),
+    }[name]
 
 
-def _round_messages(strategy, grid, nodes, spec, arrays, rnd):
-    return list(
-        strategy.configure_train(rnd, arrays, ConfigRecord({keys.RUN_SPEC: spec}), SampledGrid(grid, nodes))
+@pytest.mark.parametrize("name", ["fedavg", "fedmedian", "fedtrimmedavg", "krum"])
+def test_each_aggregator_on_the_cohort_is_flowers_strategy(name):
+    """The one form of each aggregator against Flower's own strategy of the same name (the oracle) on the
+    Messages the cohort stands for: the same model to float32 rounding, the same metrics."""
+    cfg = compose_cfg(
+        "num_clients=8", *_overrides(name), *(["strategy.beta=0.25"] if "trimmed" in name else [])
     )
+    ours = build.build_strategy(cfg, 5)
+    cohort = _stacked(5, seed=11)
+    got, got_metrics = ours.aggregate_cohort(1, cohort)
+    want, want_metrics = _flower(name).aggregate_train(1, [_plain(r) for r in cohort.replies()])
+    for n in want:
+        np.testing.assert_allclose(got[n].numpy(), want[n].numpy(), rtol=1e-6, atol=1e-7, err_msg=n)
+    for k, v in dict(want_metrics.items()).items():
+        assert dict(got_metrics.items())[k] == pytest.approx(v, rel=1e-9), k
 
 
-@pytest.mark.parametrize("name", BATCHED_FORM + ROUNDED_FORM)
-def test_each_batched_form_equals_its_per_client_form(name):
-    """Three rounds of a cohort trained batched: ``aggregate_stacked`` of the stacked replies and
-    ``aggregate_train`` of the Messages they stand for give the same bits (server state carried along); the
-    forms that divide or take norms agree to float64 rounding, cast to float32 (one unit in the last place)."""
-    cfg = compose_cfg("num_clients=6", *_overrides(name))
-    exact = name in BATCHED_FORM
-    spec = build.client_spec(cfg, "cpu")
-    arrays = ArrayRecord(build.build_initial_model(json.loads(spec)).state_dict())
-    stacked_side, message_side = build.build_strategy(cfg, 4), build.build_strategy(cfg, 4)
-    attacked = 0
-    with VectorizedGrid(6, threads=1) as grid:
-        nodes = sorted(grid.get_node_ids())[1:5]
-        for rnd in range(1, 4):
-            msgs = _round_messages(stacked_side, grid, nodes, spec, arrays, rnd)
-            _round_messages(message_side, grid, nodes, spec, arrays, rnd)
-            replies, stacked = grid.send_and_receive_stacked(msgs)
-            assert replies == [] and len(stacked) == 4
-            if name in ATTACKED:
-                attacked += stacked_side.malicious_among(stacked.partition_ids)  # the outermost wrapper
-            want, want_metrics = message_side.aggregate_train(rnd, stacked.replies())
-            stacked.replies = _no_messages  # the batched form makes no per-client Message
-            got, got_metrics = stacked_side.aggregate_stacked(rnd, stacked)
-            assert list(got.keys()) == list(want.keys())
-            for n in want:
-                assert got[n].dtype == want[n].dtype, (rnd, n)
-                if exact:
-                    assert got[n].data == want[n].data, (rnd, n)
-                else:
-                    a, b = got[n].numpy(), want[n].numpy()
-                    np.testing.assert_allclose(a, b, rtol=2e-7, atol=1e-7 * float(np.abs(b).max()), err_msg=n)
-            gm, wm = dict(got_metrics.items()), dict(want_metrics.items())
-            assert gm.keys() == wm.keys()
-            for k in wm:
-                assert gm[k] == pytest.approx(wm[k], rel=1e-12), (rnd, k)
-            arrays = want
-    assert attacked or name not in ATTACKED  # the attackers were in the cohorts
+def _plain(reply):
+    """A copy of a reply with its own records (Flower's robust strategies pop the arrays they aggregate)."""
+    from flwr.app import Message
+
+    content = RecordDict(
+        {
+            k: (ArrayRecord(dict(r.items())) if isinstance(r, ArrayRecord) else r)
+            for k, r in reply.content.items()
+        }
+    )
+    return Message(content, metadata=reply.metadata)
+
+
+def test_the_attack_and_clipping_on_the_cohort_are_their_closed_forms():
+    """SignFlip then fixed clipping, on a cohort: the attackers' rows become ``x - d``, every update is clipped
+    to ``C`` (numpy's closed form, ``aggregate.clip``) and FedAvg takes the weighted mean of ``x + clip(d)``."""
+    from fedsim.strategies.aggregate import clip
+    from fedsim.strategies.clipping import FixedClipping
+
+    cohort = _stacked(5, seed=5)
+    x = {n: t[0].numpy() * 0.5 for n, t in cohort.arrays.items()}
+    clipping = FixedClipping(strategy=FedAvg(), clip_norm=0.5, num_clients=8, clients_per_round=5, seed=1)
+    attack = attacks.SignFlip(strategy=clipping, fraction=0.5, num_clients=8, clients_per_round=5, seed=0)
+    for w in (attack, clipping):
+        w.current = {k: np.asarray(v) for k, v in x.items()}
+    got, _ = attack.aggregate_cohort(1, cohort)
+    rows, weights = [], []
+    for i, pid in enumerate(cohort.partition_ids):
+        d = {n: t[i].numpy().astype(np.float64) - x[n] for n, t in cohort.arrays.items()}
+        if pid in attack.malicious:
+            d = {n: (x[n] - d[n]).astype(np.float32).astype(np.float64) - x[n] for n in d}
+        c, _, _ = clip(d, 0.5)
+        rows.append({n: (x[n] + c[n]).astype(np.float32) for n in c})
+        weights.append(cohort.metrics[i][keys.NUM_EXAMPLES])
+    assert 0 < attack.malicious_among(cohort.partition_ids) < 5
+    want = weighted_mean(rows, weights)
+    for n in want:
+        np.testing.assert_allclose(got[n].numpy(), want[n], rtol=1e-6, atol=1e-7, err_msg=n)
 
 
 def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gives():
@@ -317,7 +389,7 @@ def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gi
     )  # a key the batched path does not handle: this client goes through the ClientApp
     with VectorizedGrid(6, threads=1) as a, VectorizedGrid(6, threads=1) as b:
         make = [(plain, 1), (odd, 2), (plain, 3)]
-        replies, stacked = a.send_and_receive_stacked(
+        replies, stacked = a.send_and_receive_cohort(
             [a.create_message(c, MessageType.TRAIN, n, "") for c, n in make]
         )
         want = list(b.send_and_receive([b.create_message(c, MessageType.TRAIN, n, "") for c, n in make]))
@@ -332,84 +404,23 @@ def test_a_cohort_not_all_batched_comes_back_as_the_messages_send_and_receive_gi
     "name",
     [
         "fedavg",
-        "fedprox",
         "fedavgm",
-        "fedadam",
+        "fednova",
         "fedavg selection=power_of_choice",
         "fedmedian strategy.server_momentum=0.5 attack=alie attack.fraction=0.5 attack.z=1.0",
+        "fedavg clipping=fixed clipping.side=client clipping.clip_norm=0.05 clipping.noise_multiplier=0.3 "
+        "clipping.noise_seed=77 clipping.debug_noise_seed=true",
     ],
 )
-def test_the_loop_on_stacked_replies_gives_the_run_of_per_client_messages(tmp_path, monkeypatch, name):
-    """engine=auto with the stacked path and with it turned off: the same metrics.jsonl (wall clock aside),
-    bytes up included, and the same model.pt, bit for bit."""
-    calls = []
-    original = FedAvg.aggregate_stacked
-
-    def counting(self, rnd, stacked):
-        calls.append(len(stacked))
-        return original(self, rnd, stacked)
-
-    over = [f"strategy={name.split()[0]}", *name.split()[1:], "num_rounds=3"]
-    monkeypatch.setattr(FedAvg, "aggregate_stacked", counting)
-    run_tiny(tmp_path / "stacked", *over)
-    assert calls == [3, 3, 3]
-    monkeypatch.setattr(FedAvg, "takes_stacked", lambda self: False)
+def test_the_loop_on_the_cohort_gives_the_run_of_flowers_adapter(tmp_path, monkeypatch, name):
+    """engine=auto with the cohort handed to the strategy, and with every strategy made to take Messages
+    (Flower's ``aggregate_train``, the adapter that stacks them again): the same metrics.jsonl (wall clock
+    aside), bytes up included, and the same model.pt, bit for bit."""
+    over = [*_overrides(name), "num_rounds=3"]
+    run_tiny(tmp_path / "cohort", *over)
+    monkeypatch.setattr(base, "takes_cohort", lambda strategy: False)
     run_tiny(tmp_path / "messages", *over)
-    assert len(calls) == 3
-    a, b = read_metrics(tmp_path / "stacked"), read_metrics(tmp_path / "messages")
+    a, b = read_metrics(tmp_path / "cohort"), read_metrics(tmp_path / "messages")
     assert without_wall_time(a) == without_wall_time(b) and a[-1]["bytes_up"] > 0
-    ma, mb = torch.load(tmp_path / "stacked" / "model.pt"), torch.load(tmp_path / "messages" / "model.pt")
+    ma, mb = torch.load(tmp_path / "cohort" / "model.pt"), torch.load(tmp_path / "messages" / "model.pt")
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
-
-
-@pytest.mark.parametrize(
-    "over",
-    [
-        ["strategy=fednova"],
-        [
-            "clipping=fixed",
-            "clipping.noise_multiplier=0.3",
-            "clipping.noise_seed=77",
-            "clipping.debug_noise_seed=true",
-        ],
-        [
-            "clipping=fixed",
-            "clipping.side=client",
-            "clipping.clip_norm=0.05",
-            "clipping.noise_multiplier=0.3",
-            "clipping.noise_seed=77",
-            "clipping.debug_noise_seed=true",
-        ],
-    ],
-    ids=["fednova", "dp-fedavg", "client-side-dp"],
-)
-def test_the_loop_on_rounded_batched_forms_gives_the_run_of_per_client_messages(tmp_path, monkeypatch, over):
-    """FedNova and DP-FedAvg on the stacked path and with it turned off: the same rounds, cohorts, bytes and
-    epsilon, and models equal to float32 rounding."""
-    calls = []
-    original = FedAvg.aggregate_stacked
-
-    def counting(self, rnd, stacked):
-        calls.append(len(stacked))
-        return original(self, rnd, stacked)
-
-    over = [*over, "num_rounds=3"]
-    monkeypatch.setattr(FedAvg, "aggregate_stacked", counting)
-    run_tiny(tmp_path / "stacked", *over)
-    assert len(calls) == 3 and all(calls)
-    monkeypatch.setattr(FedAvg, "takes_stacked", lambda self: False)
-    run_tiny(tmp_path / "messages", *over)
-    assert len(calls) == 3
-    a, b = (
-        without_wall_time(read_metrics(tmp_path / "stacked")),
-        without_wall_time(read_metrics(tmp_path / "messages")),
-    )
-    assert [r.keys() for r in a] == [r.keys() for r in b]
-    for ra, rb in zip(a, b):
-        for k in rb:
-            if isinstance(rb[k], float):
-                assert ra[k] == pytest.approx(rb[k], rel=1e-5, abs=1e-6), k
-            else:
-                assert ra[k] == rb[k], k
-    ma, mb = torch.load(tmp_path / "stacked" / "model.pt"), torch.load(tmp_path / "messages" / "model.pt")
-    assert ma.keys() == mb.keys() and all(torch.allclose(ma[k], mb[k], rtol=1e-5, atol=1e-6) for k in ma)

@@ -327,7 +327,7 @@ def _stacked_round(grid, spec, arrays, rnd, nodes, limits):
         grid.create_message(content(limits[n]) if n in limits else shared, MessageType.TRAIN, n, "")
         for n in nodes
     ]
-    replies, stacked = grid.send_and_receive_stacked(msgs)
+    replies, stacked = grid.send_and_receive_cohort(msgs)
     assert replies == [] and len(stacked) == len(nodes)
     return stacked
 
@@ -441,7 +441,7 @@ def test_client_side_clipping_of_the_batched_rows_is_the_client_apps():
         bound = (norms[2] + norms[3]) / 2  # three clients above, three below
         want = list(pool.send_and_receive(round_of(pool, bound)))
     with vectorized.VectorizedGrid(6, threads=1) as grid:
-        replies, stacked = grid.send_and_receive_stacked(round_of(grid, bound))
+        replies, stacked = grid.send_and_receive_cohort(round_of(grid, bound))
         assert replies == [] and len(stacked) == 6  # every client trained (and clipped) batched
         got = stacked.replies()
     flags = []

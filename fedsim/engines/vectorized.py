@@ -18,8 +18,8 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
    written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``; after the last step,
    client-side clipping (``clip-norm``) of the rows that ask for it (:func:`clip_rows`);
 4. reply: each client's full weights and the ClientApp's metrics keys, kept stacked on the device
-   (``fedsim.messages.StackedReplies``): ``send_and_receive_stacked`` hands them to a server loop whose
-   strategy aggregates them as they are (``fedsim.strategies.base.AggregatesStacked``); every other caller
+   (``fedsim.messages.Cohort``): ``send_and_receive_cohort`` hands them to the server loop as the round's
+   cohort, which every aggregator and wrapper takes as it is; every other caller
    gets one Flower reply Message per client, an ArrayRecord of its weights and a MetricRecord.
 
 Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps``, any ``batch_size``
@@ -55,10 +55,32 @@ from torch.func import functional_call, vmap
 from fedsim import keys
 from fedsim.build import ClientTask, client_task
 from fedsim.engines import dense, grouped
+from fedsim.engines.memory import (  # noqa: F401
+    _MODEL_INFO,
+    _model_info,
+    _names,
+    activation_bytes,
+    client_bytes,
+    estimate_bytes,
+    free_bytes,
+    unsupported,
+)
 from fedsim.engines.pool import PoolGrid
+from fedsim.engines.schedule import (  # noqa: F401  (tests read them here)
+    Schedule,
+    _draw,
+    _info,
+    _layout,
+    _order,
+    _parts,
+    _Steps,
+    _steps,
+    schedule,
+)
+from fedsim.engines.steps import _capacity, _sgd_step, _stack_starts, _StepGraph, clip_rows
 from fedsim.messages import (
     DRAW_INDEX_KEYS,
-    StackedReplies,
+    Cohort,
     TrainInstruction,
     global_state,
     parse_train,
@@ -66,7 +88,7 @@ from fedsim.messages import (
 )
 from fedsim.seeds import torch_generators
 from fedsim.tasks import CLASSIFICATION
-from fedsim.training import LocalTraining, batch_size_for, num_local_steps
+from fedsim.training import LocalTraining
 
 log = logging.getLogger("fedsim")
 
@@ -109,143 +131,6 @@ class _Client:
     proximal_mu: float = 0.0
     ins: TrainInstruction | None = None
     plan: _Plan | None = None  # what is the same every round (the engine's cache)
-
-
-class _Steps:
-    """What follows from a client's step lengths alone, computed once per lengths (:func:`_steps`): the
-    lengths, their sum, the widest step, the batch-size bucket, each step's offset into the step order, and the
-    step, slot and loss weight of every example (the rows of the cohort's gather index, ``cohort_batches``)."""
-
-    __slots__ = ("lens", "total", "width", "bucket", "offsets", "step", "slot", "weight")
-
-    def __init__(self, lens: tuple[int, ...]) -> None:
-        counts = np.array(lens, dtype=np.int64)
-        first = np.cumsum(counts) - counts
-        self.lens, self.total = lens, int(counts.sum())
-        self.width = max(lens, default=0)
-        self.bucket = self.width.bit_length()
-        self.offsets = tuple(int(v) for v in first)
-        self.step = np.repeat(np.arange(len(lens), dtype=np.int64), counts)
-        self.slot = np.arange(self.total, dtype=np.int64) - np.repeat(first, counts)
-        self.weight = np.repeat(1.0 / counts.astype(np.float64), counts)  # a client's mean over its batch
-
-
-@functools.lru_cache(maxsize=4096)
-def _steps(lens: tuple[int, ...]) -> _Steps:
-    return _Steps(lens)
-
-
-class Schedule(Sequence):
-    """The example indices of each local step (a sequence of index tensors), held as the permutations of the
-    passes over the data (``parts``, the last one cut where the steps end: one after the other, every step's
-    indices in order, ``order``) and the steps' lengths (``info``, shared by the clients whose steps have the same
-    lengths)."""
-
-    __slots__ = ("parts", "info", "steps", "_order")
-
-    def __init__(self, parts: Sequence[torch.Tensor], info: _Steps) -> None:
-        self.parts, self.info, self.steps, self._order = parts, info, len(info.lens), None
-
-    @property
-    def order(self) -> torch.Tensor:
-        if self._order is None:
-            parts = self.parts
-            self._order = parts[0] if len(parts) == 1 else torch.cat(list(parts)) if parts else _EMPTY
-        return self._order
-
-    @property
-    def lens(self) -> tuple[int, ...]:
-        return self.info.lens
-
-    def __len__(self) -> int:
-        return self.steps
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        i = range(len(self.info.lens))[i]
-        start = self.info.offsets[i]
-        return self.order[start : start + self.info.lens[i]]
-
-
-@functools.lru_cache(maxsize=4096)
-def _step_lens(n: int, bs: int, steps: int) -> tuple[int, ...]:
-    """The batch length of each of ``steps`` steps over ``n`` examples in batches of ``bs`` (a pass ends with
-    its partial batch)."""
-    one_pass = (bs,) * (n // bs) + ((n % bs,) if n % bs else ())
-    return (one_pass * -(-steps // len(one_pass)))[:steps]
-
-
-def _info(batches) -> _Steps:
-    """The step lengths of a client's batches and what follows from them."""
-    return batches.info if isinstance(batches, Schedule) else _steps(tuple(len(b) for b in batches))
-
-
-def _lens(batches) -> tuple[int, ...]:
-    """The length of each step's batch."""
-    return _info(batches).lens
-
-
-def _parts(batches) -> Sequence[torch.Tensor]:
-    """Tensors that, one after the other, hold every step's example indices in order."""
-    return batches.parts if isinstance(batches, Schedule) else batches
-
-
-_EMPTY = torch.zeros(0, dtype=torch.long)
-
-
-def _order(batches) -> torch.Tensor:
-    """Every step's example indices, one after the other, as one tensor."""
-    if isinstance(batches, Schedule):
-        return batches.order
-    return torch.cat(list(batches)) if len(batches) else _EMPTY
-
-
-@functools.lru_cache(maxsize=4096)
-def _layout(n: int, cfg: LocalTraining, max_steps: int | None) -> tuple[_Steps, int]:
-    """The steps of a client with ``n`` examples and the passes over its data they take."""
-    bs = batch_size_for(n, cfg)
-    steps = num_local_steps(n, cfg, max_steps)
-    info = _steps(_step_lens(n, bs, steps) if n > 0 and bs > 0 and steps > 0 else ())
-    return info, -(-info.total // n) if info.total else 0
-
-
-def _draw(n: int, info: _Steps, passes: int, gen: torch.Generator) -> Schedule:
-    """The schedule of steps ``info``: one seeded ``randperm`` per pass over the ``n`` examples, as
-    ``fedsim.training.train_local`` draws them."""
-    parts = [torch.randperm(n, generator=gen) for _ in range(passes)]
-    cut = passes * n - info.total  # the last pass ends early
-    if cut:
-        parts[-1] = parts[-1][: n - cut]
-    return Schedule(parts, info)
-
-
-def schedule(n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | None = None) -> Schedule:
-    """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them: one
-    ``randperm`` per pass over the data, split into batches, as many passes as the steps need."""
-    return _draw(n, *_layout(n, cfg, max_steps), gen)
-
-
-def unsupported(model: nn.Module, device: str, vmap_conv_cpu: bool) -> str | None:
-    """Why ``model`` cannot be trained batched (None when it can)."""
-    if next(model.buffers(), None) is not None:
-        return "the model has buffers (e.g. BatchNorm)"
-    if any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules()):
-        return "the model uses dropout"
-    params = list(model.named_parameters())
-    if not all(p.requires_grad for _, p in params) or len(params) != len(model.state_dict()):
-        return "the model has frozen or tied parameters"
-    if (
-        device == "cpu"
-        and not vmap_conv_cpu
-        and not grouped.supports(model)
-        and any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    ):
-        return (
-            "convolutions in a model that is not a plain Sequential of conv/pool/linear layers are faster per "
-            "client on the CPU (engine.vmap_conv_cpu=true forces vmap)"
-        )
-    return None
 
 
 @dataclass(eq=False)
@@ -302,9 +187,9 @@ class VectorizedGrid(PoolGrid):
         self._groups: dict[tuple, tuple] = {}  # one object per group key (grouped by identity every round)
         self._bytes: dict[tuple, tuple] = {}  # (model id, ...) -> (model, bytes a client, chunked on the CPU)
 
-    def send_and_receive_stacked(
+    def send_and_receive_cohort(
         self, messages: Iterable[Message], *, timeout: float | None = None
-    ) -> tuple[list[Message], StackedReplies | None]:
+    ) -> tuple[list[Message], Cohort | None]:
         """``send_and_receive``, keeping the replies of a cohort trained batched as stacked tensors.
 
         ``([], stacked)`` when every message was trained batched (rows in message order), else
@@ -314,7 +199,7 @@ class VectorizedGrid(PoolGrid):
         ids = list(self.push_messages(messages))
         batch = [self._pending.pop(mid) for mid in ids]
         done, parts = self._run_stacked(batch, None if timeout is None else time.monotonic() + timeout)
-        stacked = StackedReplies.concat(parts) if parts and not done and len(ids) == len(messages) else None
+        stacked = Cohort.concat(parts) if parts and not done and len(ids) == len(messages) else None
         if stacked is not None and len(stacked) == len(ids):
             row = {id(msg): i for i, msg in enumerate(stacked.messages)}  # the messages pushed, as they were
             return [], stacked.take([row[id(msg)] for msg in batch])
@@ -330,7 +215,7 @@ class VectorizedGrid(PoolGrid):
 
     def _run_stacked(
         self, batch: list[Message], deadline: float | None
-    ) -> tuple[dict[str, Message], list[StackedReplies]]:
+    ) -> tuple[dict[str, Message], list[Cohort]]:
         """Run ``batch``: the replies of the messages run through the ClientApp (by message id), and the
         stacked replies of those trained batched."""
         # strategies send one RecordDict (config, ArrayRecord) to the whole cohort: read and convert it once
@@ -354,7 +239,7 @@ class VectorizedGrid(PoolGrid):
                 results = list(pool.map(self._attempt, items))
         else:
             results = [self._attempt(item) for item in items]
-        parts: list[StackedReplies] = []
+        parts: list[Cohort] = []
         for (_, group), stacked, why in results:
             if stacked is not None:
                 parts.extend(stacked)
@@ -469,9 +354,7 @@ class VectorizedGrid(PoolGrid):
             return None, None, False
         return arrays, ins, any(name != keys.ARRAYS for name in content.array_records)
 
-    def _train(
-        self, clients: list[_Client], local: LocalTraining, device: str, mu: float
-    ) -> list[StackedReplies]:
+    def _train(self, clients: list[_Client], local: LocalTraining, device: str, mu: float) -> list[Cohort]:
         """Train ``clients`` (same model, optimiser and mu) batched; their replies, stacked, a part per batch."""
         buckets: dict[int, list[_Client]] = {}
         for c in clients:
@@ -544,9 +427,7 @@ class VectorizedGrid(PoolGrid):
             log.info("vectorized engine: %s", message)
 
 
-def _try_bucket(
-    members: list[_Client], local: LocalTraining, device: str, mu: float
-) -> StackedReplies | None:
+def _try_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> Cohort | None:
     """``_train_bucket``, or None when it runs out of memory (with the memory it held released)."""
     try:
         return _train_bucket(members, local, device, mu)
@@ -556,80 +437,6 @@ def _try_bucket(
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return None
-
-
-def free_bytes(device: str) -> int:
-    """Memory free for a batch on ``device``: the GPU's free memory, or the machine's available RAM."""
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError):
-        return 2**62
-
-
-def activation_bytes(model: nn.Module, example: torch.Tensor) -> int:
-    """Bytes autograd keeps for the backward pass of one example (probed once per model and input shape)."""
-    key = (id(model), tuple(example.shape), example.dtype)
-    if key not in _ACTIVATIONS:
-        seen: dict[tuple, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = (
-                t.numel() * t.element_size()
-            )
-            return t
-
-        params = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = functional_call(model, params, (example.detach().clone().unsqueeze(0),))
-        param_storages = {p.untyped_storage().data_ptr() for p in params.values()}
-        _ACTIVATIONS[key] = sum(b for (ptr, *_), b in seen.items() if ptr not in param_storages) + out.nbytes
-    return _ACTIVATIONS[key]
-
-
-_ACTIVATIONS: dict[tuple, int] = {}
-
-
-def estimate_bytes(
-    model: nn.Module, x: torch.Tensor, members: list[_Client], local: LocalTraining, mu: float
-) -> int:
-    """Peak bytes one more client adds to a batched step (:func:`client_bytes`, at the cohort's batch width)."""
-    width = max((_info(c.batches).lens[0] for c in members if c.batches), default=1)
-    return client_bytes(model, x[0] if x.shape[0] else None, local, width, mu)
-
-
-def client_bytes(
-    model: nn.Module, example: torch.Tensor | None, local: LocalTraining, width: int, mu: float
-) -> int:
-    """Peak bytes one client adds to a batched step: its weights, gradients, optimiser state and FedProx
-    anchor, plus its activations (one example's, times the batch width, twice: forward and backward).
-    The run's pre-flight memory check uses the same estimate (``fedsim.experiment.check_memory``)."""
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    copies = 2 + (local.optimizer in ("momentum", "nesterov")) + (mu > 0)  # weights, grads, momentum, anchor
-    per_example = activation_bytes(model, example) if example is not None else 0
-    return copies * param_bytes + 2 * width * per_example
-
-
-# model id -> (the model, its parameters' names in order, their shapes by name)
-_MODEL_INFO: dict[int, tuple[weakref.ref, list[str], dict[str, tuple[int, ...]]]] = {}
-
-
-def _model_info(model: nn.Module) -> tuple[weakref.ref, list[str], dict[str, tuple[int, ...]]]:
-    """``model``'s parameters' names and shapes, read once per model."""
-    known = _MODEL_INFO.get(id(model))
-    if known is None or known[0]() is not model:
-        if len(_MODEL_INFO) >= 64:
-            _MODEL_INFO.clear()
-        params = list(model.named_parameters())
-        known = (weakref.ref(model), [n for n, _ in params], {n: tuple(p.shape) for n, p in params})
-        _MODEL_INFO[id(model)] = known
-    return known
-
-
-def _names(model: nn.Module) -> list[str]:
-    """The names of ``model``'s parameters, in order (read once per model; not to be modified)."""
-    return _model_info(model)[1]
 
 
 _DENSE: dict[tuple, dense.DenseStep | None] = {}  # (model id, task) -> the model's hand-written batched step
@@ -677,21 +484,7 @@ def cohort_batches(
     return x, y, gather_t, torch.from_numpy(weight).view(shape).to(device=device, dtype=x.dtype)
 
 
-def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict[str, torch.Tensor]:
-    """The clients' start parameters as ``(clients, *shape)`` tensors on ``device`` (one copy of a start
-    model the whole cohort shares, expanded)."""
-    k = len(members)
-    first = members[0].start
-    if all(c.start is first for c in members):
-        out = {}
-        for n in names:
-            p = first[n].to(device)
-            out[n] = p.unsqueeze(0).expand(k, *p.shape).clone()
-        return out
-    return {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}
-
-
-def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> StackedReplies:
+def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> Cohort:
     """Batched local training of clients sorted by step count (descending); their replies, stacked (rows in
     ``members`` order, models on ``device``)."""
     names = _names(members[0].task.model)
@@ -709,43 +502,10 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
         )
         for i, c in enumerate(members)
     ]
-    return StackedReplies([c.msg for c in members], params, metrics)
+    return Cohort([c.msg for c in members], params, metrics)
 
 
-def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.Tensor]) -> list[dict]:
-    """Client-side clipping (``clip-norm``) of the stacked rows in place, as the ClientApp's
-    ``fedsim.algorithms.halves.ClientClipping`` clips one reply: a row whose update ``y - start`` has an L2 norm
-    (over every parameter, in float64) above its client's bound ``C`` becomes ``start + (y - start) * (C /
-    norm)`` in the parameters' dtype; the others stay as trained. Returns each row's extra metrics: the norm
-    before clipping and whether it clipped, for the rows that were asked to clip (``{}`` for the others).
-
-    The norms are one reduction per parameter over the stack, so they agree with the ClientApp's per-tensor
-    sums to float64 rounding."""
-    bounds = [c.ins.clip_norm if c.ins is not None else None for c in members]
-    if all(b is None for b in bounds):
-        return [{} for _ in members]
-    k = len(members)
-    device = next(iter(params.values())).device
-    starts = _stack_starts(members, names, device)
-    deltas = {n: params[n] - starts[n] for n in names}
-    squares = torch.zeros(k, dtype=torch.float64, device=device)
-    for d in deltas.values():
-        squares += d.double().square().reshape(k, -1).sum(1)
-    norms = squares.sqrt().tolist()
-    clipped = [b is not None and norm > b and norm != 0.0 for b, norm in zip(bounds, norms)]
-    if any(clipped):
-        rows = torch.tensor([i for i, c in enumerate(clipped) if c], device=device)
-        scale = [bounds[i] / norms[i] for i in rows.tolist()]
-        for n, d in deltas.items():
-            factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
-            params[n].index_copy_(0, rows, starts[n].index_select(0, rows) + d.index_select(0, rows) * factor)
-    return [
-        {} if b is None else {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
-        for b, norm, c in zip(bounds, norms, clipped)
-    ]
-
-
-def _by_id(stacked: StackedReplies) -> dict[str, Message]:
+def _by_id(stacked: Cohort) -> dict[str, Message]:
     """The Flower replies of stacked replies, keyed by the id of the message each answers."""
     return {msg.metadata.message_id: rep for msg, rep in zip(stacked.messages, stacked.replies())}
 
@@ -826,89 +586,3 @@ def train_stacked(
         xb = x.index_select(0, idx.reshape(-1)).view(k, width, *rows)  # x[idx], without advanced indexing
         sgd(params, bufs, anchor, loss_sum, xb, y[idx], w)
     return params, loss_sum.cpu().tolist()
-
-
-def _capacity(n: int) -> int:
-    """Rows of a static data buffer for ``n`` examples (a power of two: uneven cohorts reuse one graph)."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:
-    """One SGD step of the first ``k = len(w)`` clients in place: gradients (the dense step, or autograd
-    through ``forward``), FedProx's term, weight decay, momentum / Nesterov (buffers start at zero, so the
-    first step's buffer is the gradient, as in ``torch.optim.SGD``), the update; losses added to ``loss_sum``."""
-    k, width = w.shape
-    if step is not None:  # an MLP on cross-entropy: the hand-written batched step
-        per_client, by_name = step({n: params[n][:k] for n in names}, xb, yb, w)
-        grads = [by_name[n] for n in names]
-    else:
-        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
-        out = forward(leaves, xb)  # (k, width, classes)
-        losses = learnt.loss(out.flatten(0, 1), yb.flatten(), reduction="none").view(k, width)
-        per_client = (losses * w).sum(1)  # (k,) each client's mean batch loss
-        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
-    with torch.no_grad():
-        loss_sum[:k] += per_client.double()
-        for n, g in zip(names, grads):
-            p = params[n][:k]
-            if anchor is not None:
-                g = g + mu * (p - anchor[n][:k])
-            if local.weight_decay != 0:
-                g = g.add(p, alpha=local.weight_decay)
-            if bufs:
-                buf = bufs[n][:k].mul_(local.momentum).add_(g)  # 0 * m + g = g exactly on the first step
-                g = g.add(buf, alpha=local.momentum) if local.optimizer == "nesterov" else buf
-            p.add_(g, alpha=-local.lr)
-
-
-class _StepGraph:
-    """A cohort's SGD step on static buffers, captured once as a CUDA graph (``capture``) and replayed."""
-
-    def __init__(self, sgd, params, anchor, k: int, width: int, x, y, capture: bool) -> None:
-        self.params = {n: torch.zeros_like(p) for n, p in params.items()}
-        momentum = sgd.args[4].optimizer != "sgd"
-        self.bufs = {n: torch.zeros_like(p) for n, p in params.items()} if momentum else {}
-        self.anchor = None if anchor is None else {n: torch.zeros_like(p) for n, p in anchor.items()}
-        self.loss_sum = torch.zeros(k, dtype=torch.float64, device=x.device)
-        cap = _capacity(x.shape[0])
-        self.x = torch.zeros((cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
-        self.y = torch.zeros(cap, dtype=y.dtype, device=y.device)
-        self.idx = torch.zeros(k, width, dtype=torch.long, device=x.device)
-        self.w = torch.zeros(k, width, dtype=x.dtype, device=x.device)
-
-        def fn() -> None:
-            sgd(
-                self.params, self.bufs, self.anchor, self.loss_sum, self.x[self.idx], self.y[self.idx], self.w
-            )
-
-        self.fn, self.graph = fn, None
-        if capture:
-            side = torch.cuda.Stream(x.device)
-            side.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(side):
-                for _ in range(3):  # warm-up before capture (the state is reset before every use)
-                    fn()
-            torch.cuda.current_stream(x.device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                fn()
-
-    def run(self, params, anchor, x, y, gather, weight) -> tuple[dict[str, torch.Tensor], list[float]]:
-        for n, p in self.params.items():
-            p.copy_(params[n])
-        for b in self.bufs.values():
-            b.zero_()
-        if self.anchor is not None:
-            for n, a in self.anchor.items():
-                a.copy_(anchor[n])
-        self.loss_sum.zero_()
-        self.x[: x.shape[0]].copy_(x)
-        self.y[: y.shape[0]].copy_(y)
-        for t in range(gather.shape[0]):
-            self.idx.copy_(gather[t])
-            self.w.copy_(weight[t])
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self.fn()
-        return {n: p.clone() for n, p in self.params.items()}, self.loss_sum.cpu().tolist()

@@ -1,0 +1,146 @@
+"""The batched SGD step of the vectorized engine (``torch.optim.SGD`` written out for stacked parameters, FedProx's
+anchor included), its CUDA graph, and client-side clipping of the stacked rows."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedsim import keys
+
+if TYPE_CHECKING:
+    from fedsim.engines.vectorized import _Client
+
+
+def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.Tensor]) -> list[dict]:
+    """Client-side clipping (``clip-norm``) of the stacked rows in place, as the ClientApp's
+    ``fedsim.algorithms.halves.ClientClipping`` clips one reply: a row whose update ``y - start`` has an L2 norm
+    (over every parameter, in float64) above its client's bound ``C`` becomes ``start + (y - start) * (C /
+    norm)`` in the parameters' dtype; the others stay as trained. Returns each row's extra metrics: the norm
+    before clipping and whether it clipped, for the rows that were asked to clip (``{}`` for the others).
+
+    The norms are one reduction per parameter over the stack, so they agree with the ClientApp's per-tensor
+    sums to float64 rounding."""
+    bounds = [c.ins.clip_norm if c.ins is not None else None for c in members]
+    if all(b is None for b in bounds):
+        return [{} for _ in members]
+    k = len(members)
+    device = next(iter(params.values())).device
+    starts = _stack_starts(members, names, device)
+    deltas = {n: params[n] - starts[n] for n in names}
+    squares = torch.zeros(k, dtype=torch.float64, device=device)
+    for d in deltas.values():
+        squares += d.double().square().reshape(k, -1).sum(1)
+    norms = squares.sqrt().tolist()
+    clipped = [b is not None and norm > b and norm != 0.0 for b, norm in zip(bounds, norms)]
+    if any(clipped):
+        rows = torch.tensor([i for i, c in enumerate(clipped) if c], device=device)
+        scale = [bounds[i] / norms[i] for i in rows.tolist()]
+        for n, d in deltas.items():
+            factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
+            params[n].index_copy_(0, rows, starts[n].index_select(0, rows) + d.index_select(0, rows) * factor)
+    return [
+        {} if b is None else {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
+        for b, norm, c in zip(bounds, norms, clipped)
+    ]
+
+
+def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:
+    """One SGD step of the first ``k = len(w)`` clients in place: gradients (the dense step, or autograd
+    through ``forward``), FedProx's term, weight decay, momentum / Nesterov (buffers start at zero, so the
+    first step's buffer is the gradient, as in ``torch.optim.SGD``), the update; losses added to ``loss_sum``."""
+    k, width = w.shape
+    if step is not None:  # an MLP on cross-entropy: the hand-written batched step
+        per_client, by_name = step({n: params[n][:k] for n in names}, xb, yb, w)
+        grads = [by_name[n] for n in names]
+    else:
+        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
+        out = forward(leaves, xb)  # (k, width, classes)
+        losses = learnt.loss(out.flatten(0, 1), yb.flatten(), reduction="none").view(k, width)
+        per_client = (losses * w).sum(1)  # (k,) each client's mean batch loss
+        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
+    with torch.no_grad():
+        loss_sum[:k] += per_client.double()
+        for n, g in zip(names, grads):
+            p = params[n][:k]
+            if anchor is not None:
+                g = g + mu * (p - anchor[n][:k])
+            if local.weight_decay != 0:
+                g = g.add(p, alpha=local.weight_decay)
+            if bufs:
+                buf = bufs[n][:k].mul_(local.momentum).add_(g)  # 0 * m + g = g exactly on the first step
+                g = g.add(buf, alpha=local.momentum) if local.optimizer == "nesterov" else buf
+            p.add_(g, alpha=-local.lr)
+
+
+class _StepGraph:
+    """A cohort's SGD step on static buffers, captured once as a CUDA graph (``capture``) and replayed."""
+
+    def __init__(self, sgd, params, anchor, k: int, width: int, x, y, capture: bool) -> None:
+        self.params = {n: torch.zeros_like(p) for n, p in params.items()}
+        momentum = sgd.args[4].optimizer != "sgd"
+        self.bufs = {n: torch.zeros_like(p) for n, p in params.items()} if momentum else {}
+        self.anchor = None if anchor is None else {n: torch.zeros_like(p) for n, p in anchor.items()}
+        self.loss_sum = torch.zeros(k, dtype=torch.float64, device=x.device)
+        cap = _capacity(x.shape[0])
+        self.x = torch.zeros((cap, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        self.y = torch.zeros(cap, dtype=y.dtype, device=y.device)
+        self.idx = torch.zeros(k, width, dtype=torch.long, device=x.device)
+        self.w = torch.zeros(k, width, dtype=x.dtype, device=x.device)
+
+        def fn() -> None:
+            sgd(
+                self.params, self.bufs, self.anchor, self.loss_sum, self.x[self.idx], self.y[self.idx], self.w
+            )
+
+        self.fn, self.graph = fn, None
+        if capture:
+            side = torch.cuda.Stream(x.device)
+            side.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(side):
+                for _ in range(3):  # warm-up before capture (the state is reset before every use)
+                    fn()
+            torch.cuda.current_stream(x.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                fn()
+
+    def run(self, params, anchor, x, y, gather, weight) -> tuple[dict[str, torch.Tensor], list[float]]:
+        for n, p in self.params.items():
+            p.copy_(params[n])
+        for b in self.bufs.values():
+            b.zero_()
+        if self.anchor is not None:
+            for n, a in self.anchor.items():
+                a.copy_(anchor[n])
+        self.loss_sum.zero_()
+        self.x[: x.shape[0]].copy_(x)
+        self.y[: y.shape[0]].copy_(y)
+        for t in range(gather.shape[0]):
+            self.idx.copy_(gather[t])
+            self.w.copy_(weight[t])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.fn()
+        return {n: p.clone() for n, p in self.params.items()}, self.loss_sum.cpu().tolist()
+
+
+def _stack_starts(members: list[_Client], names: list[str], device: str) -> dict[str, torch.Tensor]:
+    """The clients' start parameters as ``(clients, *shape)`` tensors on ``device`` (one copy of a start
+    model the whole cohort shares, expanded)."""
+    k = len(members)
+    first = members[0].start
+    if all(c.start is first for c in members):
+        out = {}
+        for n in names:
+            p = first[n].to(device)
+            out[n] = p.unsqueeze(0).expand(k, *p.shape).clone()
+        return out
+    return {n: torch.stack([c.start[n] for c in members]).to(device) for n in names}
+
+
+def _capacity(n: int) -> int:
+    """Rows of a static data buffer for ``n`` examples (a power of two: uneven cohorts reuse one graph)."""
+    return 1 << max(0, (n - 1).bit_length())

@@ -1,0 +1,130 @@
+"""The screen of a round's train replies across engines: the checks across replies, and the screen of a cohort
+the engine trained batched (``fedsim.messages.Cohort``), which drops what :func:`fedsim.grid_utils.screen_replies`
+drops of the Messages the cohort stands for, with the same kinds and details, without making them."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+from fedsim import keys
+from fedsim.grid_utils import _names, check_metrics
+
+
+def screen_cohort(cohort, reference: ArrayRecord, partitions: Mapping[int, int] | None = None):
+    """:func:`screen_replies` for a cohort the engine trained batched (``fedsim.messages.Cohort``), without
+    per-client Messages: ``(valid rows, failures)``, the same drops with the same kinds and details; None when
+    the stack's array names, shapes or dtypes are not ``reference``'s (the message screen names them).
+
+    The engine made every row's arrays itself, so what the message screen checks of their bytes holds by
+    construction; the rest is the same checks: each row's node and metrics (:func:`check_metrics`), NaN or Inf
+    in its train loss or model (one vectorised check per parameter), then across the rows (one per partition,
+    one set of metric keys, some examples to weight by).
+    """
+    from fedsim.comm import torch_numpy_dtype
+
+    ref = {k: (tuple(a.shape), a.dtype) for k, a in reference.items()}
+    got = {n: (tuple(t.shape[1:]), str(torch_numpy_dtype(t.dtype))) for n, t in cohort.arrays.items()}
+    if got != ref:
+        return None
+    finite, nodes = _finite_rows(cohort), cohort.node_ids
+    keep, failures = [], []
+    for i, (node, metrics) in enumerate(zip(nodes, cohort.metrics)):
+        problem = _row_problem(f"node {node}", metrics, finite[i], partitions)
+        if problem is None:
+            keep.append(i)
+        else:
+            failures.append(problem)
+    rows = []
+    for i in keep:
+        m = cohort.metrics[i]
+        layout = (_ROW_RECORDS, tuple(sorted(m.keys())))
+        rows.append(Row(i, int(m[keys.PARTITION_ID]), f"node {nodes[i]}", layout, m[keys.NUM_EXAMPLES]))
+    return cohort.take([r.item for r in together(rows, failures)]), failures
+
+
+# the records of a reply made from a cohort's row (``fedsim.messages.reply_message``), as ``_layout`` lists them
+_ROW_RECORDS = ((keys.ARRAYS, "ArrayRecord"), (keys.METRICS, "MetricRecord"))
+
+
+def _row_problem(node: str, metrics: Mapping, finite: bool, partitions: Mapping[int, int] | None):
+    """Why one row of a batched cohort fails: what :func:`screen_replies` says of its reply, or None."""
+    number = int(node.split()[1])
+    if partitions and number not in partitions:
+        return "malformed", f"reply from {node}, which is not one of the run's clients"
+    problem = check_metrics(node, metrics, partitions.get(number) if partitions else None)
+    if problem is not None:
+        return problem
+    loss = metrics.get(keys.TRAIN_LOSS, 0.0)
+    if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
+        return "nonfinite", f"NaN or Inf train loss from {node}"
+    if not finite:
+        return "nonfinite", f"NaN or Inf in the update from {node}"
+    return None
+
+
+def _finite_rows(cohort) -> np.ndarray:
+    """Whether each row's model holds only finite values (one check per parameter)."""
+    import torch
+
+    finite = np.ones(len(cohort), dtype=bool)
+    for t in cohort.arrays.values():
+        t = t.detach()
+        if t.device.type == "cpu":  # numpy: one thread, whatever torch's thread count
+            finite &= np.isfinite(t.numpy()).reshape(len(cohort), -1).all(1)
+        else:
+            finite &= torch.isfinite(t).flatten(1).all(1).cpu().numpy()
+    return finite
+
+
+class Row:
+    """What the checks across a round's replies read of one reply (a Message or a cohort's row)."""
+
+    def __init__(self, item, pid: int, node: str, layout, examples) -> None:
+        self.item, self.pid, self.node, self.layout, self.examples = item, pid, node, layout, examples
+
+
+def together(rows: list[Row], failures: list) -> list[Row]:
+    """The checks across a round's replies: one reply per partition, one layout, some examples to weight by."""
+    seen: dict[int, str] = {}
+    unique = []
+    for row in rows:
+        if row.pid in seen:
+            failures.append(
+                (
+                    "malformed",
+                    f"reply from {row.node}: partition-id {row.pid} is {seen[row.pid]}'s reply's too",
+                )
+            )
+            continue
+        seen[row.pid] = row.node
+        unique.append(row)
+    if len(unique) > 1:
+        counts = Counter(r.layout for r in unique)
+        top = max(counts.values())  # the layout most replies share; on a tie the one with the fewest keys
+        layout = min((lay for lay, c in counts.items() if c == top), key=lambda lay: (len(lay[1]), lay))
+        failures += [("malformed", _differs(r.node, r.layout, layout)) for r in unique if r.layout != layout]
+        unique = [r for r in unique if r.layout == layout]
+    if unique and all(r.examples == 0 for r in unique):
+        failures += [
+            ("malformed", f"reply from {r.node}: num-examples is 0 in every reply (nothing to weight by)")
+            for r in unique
+        ]
+        unique = []
+    return unique
+
+
+def _differs(node: str, mine: tuple, layout: tuple) -> str:
+    parts = []
+    for what, have, want in (("records", mine[0], layout[0]), ("metrics", mine[1], layout[1])):
+        extra, missing = set(have) - set(want), set(want) - set(have)
+        name = (lambda x: x[0]) if what == "records" else (lambda x: x)
+        if extra:
+            parts.append(f"extra {what} {_names(name(x) for x in extra)}")
+        if missing:
+            parts.append(f"no {what} {_names(name(x) for x in missing)}")
+    return f"reply from {node}: unlike the round's other replies it has {'; '.join(parts)}"
