@@ -162,9 +162,6 @@ class ReplyLog(GridView):
         if self._file is not None:
             self._file.close()
 
-    def get_nodes(self):
-        return self._grid.get_nodes()
-
     def push_messages(self, messages):
         messages = list(messages)
         # a task the server gave up on expires: a node back from a cut does not work it off

@@ -238,9 +238,6 @@ class NodeGate(GridView):
         self.vacant: dict[int, int] = {}  # stand-in node id -> the partition it skips
         self._due: dict[str, tuple[float, object]] = {}  # message id -> (when, the stand-in's reply)
 
-    def get_nodes(self):
-        return self._grid.get_nodes()
-
     def _describe(self, node_id: int) -> str:
         i = self.info.get(node_id, {})
         name = f"name {i['name']!r}, " if i.get("name") else ""
