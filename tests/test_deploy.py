@@ -669,10 +669,19 @@ def test_commands_use_flags_the_installed_flower_has(tmp_path):
     )
     assert node[node.index("--auth-supernode-private-key") + 1] == str(tmp_path / "supernode1")
     assert node[-1] == "partition-id=1 num-partitions=3"
-    for cmd in (link, node, exe):
-        help_text = subprocess.run([cmd[0], "--help"], capture_output=True, text=True, timeout=60).stdout
+    # the SuperNode runs through fedsim.deploy.node: its own flags, then (after "--") flower-supernode's
+    cut = node.index("--")
+    wrapper, flower_node = (
+        node[:cut],
+        [shutil.which("flower-supernode") or "flower-supernode", *node[cut + 1 :]],
+    )
+    assert wrapper[:3] == [sys.executable, "-m", "fedsim.deploy.node"]
+    for cmd in (link, wrapper, flower_node, exe):
+        help_text = subprocess.run(
+            [*cmd[: 3 if cmd is wrapper else 1], "--help"], capture_output=True, text=True, timeout=60
+        ).stdout
         for flag in (a for a in cmd if a.startswith("--")):
-            assert flag in help_text, f"{cmd[0]} has no {flag}"
+            assert flag in help_text, f"{' '.join(cmd[: 3 if cmd is wrapper else 1])} has no {flag}"
     insecure = superlink_command("0.0.0.0", 9093, Security(tls=False, auth=False))
     assert "--insecure" in insecure and not any(a.startswith("--ssl") for a in insecure)
 
@@ -1312,7 +1321,10 @@ class TestProbesDuringARun:
             release.set()
             for t in conns:
                 t.join()
-            assert 6 <= [code for code, _ in held].count(503) < 70, (a, held)  # 64 held at most
+            # 64 held at most: the rest are refused at once (503, or closed when accepted: the per-address cap);
+            # a held one waits out the 1.5 s read
+            refused = [(code, t) for code, t in held if code == 503 or (code is None and t < 1.0)]
+            assert 6 <= len(refused) < 70, (a, held)
         assert len(_online(fed)) == N + len(fed.outsiders)
 
     def test_a_registered_node_cannot_make_another_node_run_code_through_the_fleet_api(
