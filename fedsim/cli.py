@@ -333,8 +333,9 @@ def run_composed(cfg: DictConfig, extra: list[str]) -> None:
         lambda: Hydra.create_main_hydra2(task_name=_task_name(), config_search_path=search_path)
     )
     try:
-        _add_hydra_overrides(cfg, [*extra, *([] if cfg.hydra.mode else ["hydra.mode=RUN"])])
-        run_and_report(lambda: _hydra_run(app, cfg))
+        run_and_report(
+            lambda: _hydra_run(app, cfg, [*extra, *([] if cfg.hydra.mode else ["hydra.mode=RUN"])])
+        )
     finally:
         GlobalHydra.instance().clear()
 
@@ -346,17 +347,18 @@ def _add_hydra_overrides(cfg: DictConfig, lines: list[str]) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(lines)
-    assert all(o.is_hydra_override() for o in parsed), lines
     ConfigLoaderImpl._apply_overrides_to_config(parsed, cfg)
     cfg.hydra.overrides.hydra.extend(lines)
 
 
-def _hydra_run(app, cfg: DictConfig) -> None:
-    """``hydra._internal.hydra.Hydra.run`` after its composition: logging, callbacks, the job."""
+def _hydra_run(app, cfg: DictConfig, overrides: list[str]) -> None:
+    """``hydra._internal.hydra.Hydra.run`` after its composition (``overrides``, the hydra overrides the command
+    line gained since, applied to ``cfg`` first): logging, callbacks, the job."""
     from hydra._internal.callbacks import Callbacks
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext
 
+    _add_hydra_overrides(cfg, overrides)
     configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
     callbacks = Callbacks(cfg)
     callbacks.on_run_start(config=cfg, config_name=override_check.CONFIG_NAME)
