@@ -275,15 +275,103 @@ def _record_failure(out_dir: Path, message: str) -> None:
     summary.write_text(json.dumps(data, indent=2) + "\n")
 
 
-@hydra.main(version_base=None, config_path="pkg://fedsim.conf", config_name="config")
+CONFIG_PATH = f"pkg://{override_check.CONFIG_MODULE}"
+
+
+@hydra.main(version_base=None, config_path=CONFIG_PATH, config_name=override_check.CONFIG_NAME)
 def _hydra_main(cfg: DictConfig) -> float | None:
     return _task(cfg)
 
 
 def unknown_key(argv: list[str], remember: bool = False) -> str | None:
     """``fedsim.override_check.unknown_key``; with ``remember``, a command line that composes leaves its config
-    in ``COMPOSED`` for :func:`prepare_folders` (one composition fewer)."""
+    in ``COMPOSED`` for :func:`prepare_folders` and :func:`run_composed` (the command's only composition)."""
+    if remember:  # the job's name (hydra.job.name, the log file's name) as Hydra's own composition gives it
+        from hydra.core.utils import JobRuntime
+
+        JobRuntime().set("name", _task_name())
     return override_check.unknown_key(argv, into=COMPOSED if remember else None)
+
+
+def _task_name() -> str:
+    """The job name Hydra gives ``fedsim``'s task function (``cli``: the log file is ``cli.log``)."""
+    from hydra._internal.utils import detect_calling_file_or_module_from_task_function, detect_task_name
+
+    return detect_task_name(*detect_calling_file_or_module_from_task_function(_hydra_main.__wrapped__))
+
+
+def plain_run(argv: list[str]) -> DictConfig | None:
+    """The config the unknown-key check composed for ``argv``, when ``argv`` is a plain single run that
+    :func:`run_composed` can run on it (no flag, no sweep, no debug logging of Hydra's); else None."""
+    cfg = COMPOSED.pop(tuple(argv), None)
+    if cfg is None or any(a.startswith("-") for a in argv):
+        return None
+    if cfg.hydra.mode not in (None, RunMode.RUN) or cfg.hydra.verbose:
+        return None
+    return cfg
+
+
+def run_composed(cfg: DictConfig, extra: list[str]) -> None:
+    """What ``@hydra.main`` does for a plain run (``_run_hydra``, ``Hydra.run``), on a config composed already.
+
+    ``cfg`` is the unknown-key check's composition of the command line (run mode); ``extra`` are the hydra
+    overrides :func:`prepare_folders` added to the command line, applied here as Hydra's composition applies them,
+    followed by ``hydra.mode=RUN`` as Hydra adds it: the job's config and ``.hydra/`` files are those of
+    ``@hydra.main``'s own composition, which is not made (it took 0.1-0.2 CPU s, twice).
+    """
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import (
+        create_automatic_config_search_path,
+        detect_calling_file_or_module_from_task_function,
+        run_and_report,
+    )
+    from hydra.core.global_hydra import GlobalHydra
+
+    calling = detect_calling_file_or_module_from_task_function(_hydra_main.__wrapped__)
+    search_path = create_automatic_config_search_path(*calling, CONFIG_PATH)
+    app = run_and_report(
+        lambda: Hydra.create_main_hydra2(task_name=_task_name(), config_search_path=search_path)
+    )
+    try:
+        run_and_report(
+            lambda: _hydra_run(app, cfg, [*extra, *([] if cfg.hydra.mode else ["hydra.mode=RUN"])])
+        )
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _add_hydra_overrides(cfg: DictConfig, lines: list[str]) -> None:
+    """Apply ``hydra.*`` override ``lines`` to a composed config as Hydra's composition does (recorded in
+    ``hydra.overrides.hydra``, after the command line's own)."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(lines)
+    ConfigLoaderImpl._apply_overrides_to_config(parsed, cfg)
+    cfg.hydra.overrides.hydra.extend(lines)
+
+
+def _hydra_run(app, cfg: DictConfig, overrides: list[str]) -> None:
+    """``hydra._internal.hydra.Hydra.run`` after its composition (``overrides``, the hydra overrides the command
+    line gained since, applied to ``cfg`` first): logging, callbacks, the job."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.utils import configure_log, run_job
+    from hydra.types import HydraContext
+
+    _add_hydra_overrides(cfg, overrides)
+    configure_log(cfg.hydra.hydra_logging, cfg.hydra.verbose)
+    callbacks = Callbacks(cfg)
+    callbacks.on_run_start(config=cfg, config_name=override_check.CONFIG_NAME)
+    ret = run_job(
+        hydra_context=HydraContext(config_loader=app.config_loader, callbacks=callbacks),
+        task_function=_hydra_main.__wrapped__,
+        config=cfg,
+        job_dir_key="hydra.run.dir",
+        job_subdir_key=None,
+        configure_logging=True,
+    )
+    callbacks.on_run_end(config=cfg, config_name=override_check.CONFIG_NAME, job_return=ret)
+    _ = ret.return_value  # a job that raised raises here, as in Hydra's run
 
 
 _PLAIN_PATH = re.compile(r"^[A-Za-z0-9_./:@+-]+$")
@@ -338,7 +426,7 @@ def prepare_folders(argv: list[str]) -> list[str]:
     overrides = [a for a in argv if not a.startswith("-")]
     if multirun:  # sweep syntax cannot be composed: only the overrides that choose one value
         overrides = [o for o in overrides if "," not in o and "(" not in o]
-    cfg = None if multirun else COMPOSED.pop(tuple(argv), None)  # composed by the unknown-key check
+    cfg = None if multirun else COMPOSED.get(tuple(argv))  # composed by the unknown-key check
     if cfg is None:
         try:
             cfg = compose(*overrides, return_hydra_config=True)
@@ -398,7 +486,7 @@ def _secret_folder_names(argv: list[str], cfg) -> None:
 
 
 RUN_FOLDER: dict = {}  # the single run's folder as it was before Hydra wrote into it (see undo_hydra_files)
-COMPOSED: dict = {}  # command line (tuple) -> its config with the hydra node, composed once for both checks
+COMPOSED: dict = {}  # command line (tuple) -> its config with the hydra node: the checks' and the run's
 
 
 def _read_folder(folder: Path) -> dict[str, bytes]:
@@ -489,8 +577,13 @@ def _main() -> None:
         sys.exit(EXIT_CONFIG)
     try:
         errors.raise_pending()  # check points of the start: a SIGTERM noted so far ends the command here
-        sys.argv += prepare_folders(argv)
-        _hydra_main()
+        extra = prepare_folders(argv)
+        sys.argv += extra
+        cfg = plain_run(argv)
+        if cfg is not None:
+            run_composed(cfg, extra)  # the config the check composed: no second and third composition
+        else:
+            _hydra_main()
         errors.raise_pending()  # one that came after the last run (or between its end and the exit)
     except ConfigError as e:
         say(f"fedsim: config error: {e}")

@@ -169,13 +169,17 @@ def unknown_key(argv: list[str], into: dict | None = None) -> str | None:
     ``dataset=blobs`` an option and a user's own group folder is a group. A group option that does not exist
     gets the options found; a key that does not exist gets the closest key. What Hydra cannot parse or compose
     is left to Hydra's own message (None). With ``into``, a command line that composes leaves its config there,
-    under ``tuple(argv)``.
+    under ``tuple(argv)``, unless its composition warned (the warning is Hydra's to give when it composes).
     """
     import warnings
 
-    with warnings.catch_warnings():  # a search path folder that is not there: Hydra warns once, when it runs
-        warnings.simplefilter("ignore")
-        return _unknown_key(argv, into)
+    composed: dict = {}
+    with warnings.catch_warnings(record=True) as warned:  # e.g. a search path folder that is not there:
+        warnings.simplefilter("always")  # Hydra warns once, when it composes for the run
+        message = _unknown_key(argv, composed)
+    if into is not None and not warned:
+        into.update(composed)
+    return message
 
 
 def _unknown_key(argv: list[str], into: dict | None) -> str | None:

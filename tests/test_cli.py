@@ -216,11 +216,74 @@ def test_the_command_composes_its_config_once_for_both_checks(tmp_path, monkeypa
     monkeypatch.setattr(cli, "compose", lambda *a, **k: pytest.fail("composed a second time"))
     try:
         assert cli.prepare_folders(argv) == []  # an explicit folder: nothing to add
-        assert cli.RUN_FOLDER["path"] == tmp_path / "run" and not cli.COMPOSED
+        assert cli.RUN_FOLDER["path"] == tmp_path / "run"
+        assert cli.plain_run(argv) is not None and not cli.COMPOSED  # the run takes it
     finally:
         unlock_run_folder(tmp_path / "run")
     assert cli.unknown_key(["num_roundz=2"], remember=True).startswith("unknown config key 'num_roundz'")
     assert not cli.COMPOSED
+
+
+ONE_COMPOSITION = """
+import json, sys
+from pathlib import Path
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+import fedsim.cli as cli
+
+load, calls = ConfigLoaderImpl.load_configuration, []
+def counted(self, *args, **kwargs):
+    calls.append(kwargs.get("run_mode"))
+    return load(self, *args, **kwargs)
+ConfigLoaderImpl.load_configuration = counted
+
+jobs = []
+def task(cfg):  # the job as the run gets it; the run itself is left out (no torch in this test)
+    hc = HydraConfig.get()
+    folder = Path(hc.runtime.output_dir)
+    files = {p.name: p.read_text() for p in sorted((folder / ".hydra").glob("*.yaml"))}
+    text = json.dumps([OmegaConf.to_container(cfg), OmegaConf.to_container(hc), files], sort_keys=True, default=str)
+    names = sorted(p.name for p in folder.iterdir())
+    text = text.replace(str(folder), "DIR").replace(str(folder.relative_to(Path(hc.runtime.cwd))), "DIR")
+    jobs.append([len(calls), str(folder), names, text])
+cli._task = task
+plain_run = cli.plain_run
+for argv in json.loads(sys.argv[1]):
+    for fast in (True, False):
+        cli.plain_run = plain_run if fast else (lambda argv: cli.COMPOSED.clear())  # False: @hydra.main's way
+        calls.clear()
+        sys.argv = ["fedsim", *argv]
+        try:
+            cli.main()
+        except SystemExit as e:
+            assert not e.code, e.code
+print("JOBS", json.dumps(jobs))
+"""
+
+
+@pytest.mark.parametrize("argv", [[], ["strategy=fedprox", "num_rounds=3", "hydra.job.chdir=true"]])
+def test_the_default_command_composes_its_config_once(tmp_path, argv):
+    """The command composes the config once (the unknown-key check's composition serves the folder and the run):
+    ``ConfigLoaderImpl.load_configuration`` is called once, where ``@hydra.main`` makes two more; the job gets
+    the same config, Hydra config and ``.hydra/`` files as ``@hydra.main``'s own composition gives it."""
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_COMPOSITION, json.dumps([argv])],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    (fast, slow) = json.loads(out.stdout.split("JOBS", 1)[1])
+    assert fast[0] == 1 and slow[0] == 3  # the counter sees @hydra.main's own compositions
+    assert fast[2] == slow[2] == [".fedsim.lock", ".hydra", "cli.log"]  # the log file named as Hydra names it
+    assert (
+        fast[1] != slow[1] and "DIR" in fast[3]
+    )  # two folders (a timestamp, or its -1 suffix), else the same
+    assert fast[3] == slow[3]
+    assert "hydra.mode=RUN" in fast[3]  # as @hydra.main adds it to the overrides in hydra.yaml
 
 
 def test_help_names_the_command_and_its_three_uses(tmp_path):
