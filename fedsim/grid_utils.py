@@ -48,6 +48,9 @@ class GridView(Grid):
     def get_node_ids(self) -> Iterable[int]:
         return self._grid.get_node_ids()
 
+    def get_nodes(self):
+        return self._grid.get_nodes()  # Grid's own default drops the nodes' names and public keys
+
     def push_messages(self, messages):
         return self._grid.push_messages(messages)
 
