@@ -1,4 +1,5 @@
-"""What a deployed run records for a node that does not reply in time (fast: a fake grid, no services).
+"""Fast checks behind the namespace tests: what a deployed run records for a node that does not reply in
+time (a fake grid, no services), the tests' skip reasons, and the link proxy on loopback.
 
 The namespace tests (tests/test_netns.py) cut a node's link mid-run; these check the record they rely on:
 replies.jsonl gets one ``timeout:`` line per message of a synchronous round left without a reply, naming the
@@ -8,11 +9,17 @@ node it was sent to and whether the SuperLink still listed that node as connecte
 from __future__ import annotations
 
 import json
+import socket
+import sys
+import threading
+import time
 
+import pytest
 from flwr.app import MetricRecord, RecordDict
 from test_deploy import message
 
 from fedsim import keys
+from fedsim.deploy import free_port
 from fedsim.server_app import ReplyLog
 
 
@@ -70,3 +77,69 @@ def test_every_reply_in_time_leaves_no_timeout_line(tmp_path):
     log.send_and_receive([message(0, n, content=RecordDict()) for n in (1, 2)], timeout=5)
     log.close()
     assert [x["error"] for x in _lines(path)] == [None, None]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux's")
+def test_the_namespace_tests_say_why_they_are_skipped(monkeypatch):
+    import netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.unavailable() == "network namespaces need root (ip netns add)"
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+    assert netns.unavailable() == "iproute2's ip command is not installed"
+
+
+@pytest.fixture
+def echo_server():
+    """A TCP echo server on 127.0.0.1 (a thread per connection); yields its address."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn):
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    def accept():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield srv.getsockname()
+    srv.close()
+
+
+def _round_trip(address, payload: bytes = b"x" * 100) -> float:
+    t0 = time.monotonic()
+    with socket.create_connection(address, timeout=5) as s:
+        s.sendall(payload)
+        got = b""
+        while len(got) < len(payload):
+            got += s.recv(65536)
+    assert got == payload
+    return time.monotonic() - t0
+
+
+def test_the_link_proxy_delays_caps_stalls_cuts_and_restores(echo_server):
+    from netns_proxy import Faults, Link
+
+    link = Link(("127.0.0.1", free_port("127.0.0.1")), echo_server, Faults(rtt=0.2, jitter=0.02)).start()
+    try:
+        assert 0.2 <= _round_trip(link.listen) < 1.0  # each way half the RTT, +-10 ms: 0.19 s at least
+        link.faults = Faults(rate=100_000)  # 20 KB up and back at 100 KB/s: 0.4 s
+        assert 0.35 <= _round_trip(link.listen, b"y" * 20_000) < 2.0
+        link.faults = Faults()
+        link.stall(0.5)
+        assert 0.45 <= _round_trip(link.listen) < 2.0
+        link.cut()
+        with pytest.raises(OSError):
+            _round_trip(link.listen)
+        link.restore()
+        assert _round_trip(link.listen) < 0.5
+        assert link.seen["up"] == link.seen["down"] == 3 * 100 + 20_000 and link.connections == 4
+    finally:
+        link.close()
