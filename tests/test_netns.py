@@ -25,6 +25,7 @@ from netns_proxy import Faults, Link
 
 from fedsim.deploy import Federation, Security, free_port, make_certs
 from fedsim.deploy.launch import running, supernode_command, terminate, warm_command
+from fedsim.procs import descendants
 
 APP = Path(__file__).resolve().parents[1]
 N = 3
@@ -62,7 +63,8 @@ class NetFederation(Federation):
         secret = self._secret(self.workdir / f"{name}.secret")
         listen = "{}:{}".format(*self.links[i].listen)
         cache = str(self.workdir / "partition-cache")
-        cmd = supernode_command(listen, port, i, N, self.sec, warm_secret=secret, poll=0.25, cache_dir=cache)
+        n = len(self.hosts.clients)
+        cmd = supernode_command(listen, port, i, n, self.sec, warm_secret=secret, poll=0.25, cache_dir=cache)
         proc = self.spawn(name, cmd, cwd=self.cwd)
         self.spawn(f"{name}-warm", warm_command(port, secret, parent_pid=proc.pid), cwd=self.cwd)
 
@@ -70,8 +72,9 @@ class NetFederation(Federation):
         """Stop SuperNode ``i`` and its warm SuperExec (SIGTERM: the node leaves as Flower's does on Ctrl-C)."""
         for name in (f"supernode{i}", f"supernode{i}-warm"):
             proc = self.procs.pop(name)
-            self.stopped.append(proc.pid)
-            terminate([proc.pid], timeout=15)
+            pids = [proc.pid, *descendants(proc.pid)]  # with the ClientApps a warm SuperExec forked
+            self.stopped += pids
+            terminate(pids, timeout=15)
             proc.wait(timeout=10)
 
 
