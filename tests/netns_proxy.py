@@ -94,9 +94,9 @@ class Link:
                 await self.flowing.wait()
                 if self.faults.rate:
                     await asyncio.sleep(len(data) / self.faults.rate)
+                self.seen[way] += len(data)  # counted before it is sent: a reader never sees it uncounted
                 writer.write(data)
                 await writer.drain()
-                self.seen[way] += len(data)
         except (OSError, ConnectionError):
             pass
         finally:
