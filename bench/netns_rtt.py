@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -106,8 +107,11 @@ def main() -> None:
         sys.exit(f"netns_rtt: {why}")
     netns.sweep()
     root = Path(tempfile.mkdtemp(prefix="netns-rtt-"))
-    lo = localhost(root, args.rounds)
-    far = across_hosts(root, args.rounds, args.repeat)
+    try:
+        lo = localhost(root, args.rounds)
+        far = across_hosts(root, args.rounds, args.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     med = {
         "localhost": statistics.median(lo),
         **{f"hosts, {k} ms": statistics.median(v) for k, v in far.items()},
