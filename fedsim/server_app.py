@@ -19,7 +19,8 @@ run_config keys (declared in pyproject's ``[tool.flwr.app.config]``):
 Besides the usual run folder (metrics.jsonl, summary.json, model.pt, ...), a deployed run writes
 ``replies.jsonl``: one line per reply from a SuperNode (``time`` since the start, message ``type``,
 ``node_id``, the ``partition_id`` and ``num_examples`` the node reported, ``error`` if any), to see who
-answered what, with how much data, and when; and ``nodes.json``: the nodes accepted (with the partition) and
+answered what, with how much data, and when; a message of a synchronous round that got no reply within
+``round_timeout`` gets a line too, its ``error`` starting ``timeout:``; and ``nodes.json``: the nodes accepted (with the partition) and
 refused (with the reason), each with its registered name and public-key fingerprint.
 
 A Flower app of one's own runs under this ServerApp unchanged (docs/interop.md): its pyproject's ``serverapp``
@@ -129,12 +130,16 @@ class ReplyLog(GridView):
             if m.metadata.message_id:
                 self._dst[m.metadata.message_id] = int(m.metadata.dst_node_id)
 
-    def _record(self, replies: Iterable[Message]) -> list[Message]:
-        replies = list(replies)
-        if replies and self._file is None:
+    def _open(self) -> None:
+        if self._file is None:
             self._path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # names node ids
             self._file = os.fdopen(fd, "a", encoding="utf-8")
+
+    def _record(self, replies: Iterable[Message]) -> list[Message]:
+        replies = list(replies)
+        if replies:
+            self._open()
         for r in replies:
             # the SuperLink answers itself for a node it gave up on: name the node the message was sent to
             node = self._dst.pop(r.metadata.reply_to_message_id, int(r.metadata.src_node_id))
@@ -176,7 +181,30 @@ class ReplyLog(GridView):
         return self._record(self._grid.pull_messages(message_ids))
 
     def send_and_receive(self, messages, *, timeout=None):
-        return push_and_pull(self, messages, timeout, REPLY_POLL)  # through push/pull: each is recorded
+        messages = list(messages)
+        replies = push_and_pull(self, messages, timeout, REPLY_POLL)  # through push/pull: each is recorded
+        self._record_silent(messages, timeout)
+        return replies
+
+    def _record_silent(self, messages: list[Message], timeout: float | None) -> None:
+        """One line for each message that got no reply within ``timeout`` (the round records it as a
+        ``timeout``): its node, and whether the SuperLink still lists that node as connected (it does for
+        about 60 s after the node's last heartbeat, so a link cut shorter than that reads as connected)."""
+        silent = [m for m in messages if m.metadata.message_id in self._dst]
+        if not silent:
+            return
+        online = set(self._grid.get_node_ids())
+        self._open()
+        for m in silent:
+            node = self._dst.pop(m.metadata.message_id)
+            state = "connected" if node in online else "offline"
+            line = {"time": round(time.monotonic() - self._t0, 3), "type": m.metadata.message_type}
+            line |= {"node_id": node, "partition_id": None, "num_examples": None}
+            line["error"] = (
+                f"timeout: no reply within {timeout or 0:g} s (the SuperLink lists the node as {state})"
+            )
+            self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
 
 
 def server_app(

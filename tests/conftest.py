@@ -13,7 +13,14 @@ from fedsim.config import flower_env
 
 flower_env()
 
-SERVICES_FILES = ("test_deploy.py", "test_sweepers.py", "test_bench_smoke.py", "test_ray_cluster.py")
+SERVICES_FILES = (
+    "test_deploy.py",
+    "test_sweepers.py",
+    "test_bench_smoke.py",
+    "test_ray_cluster.py",
+    "test_netns.py",
+    "test_netns_churn.py",
+)
 SERVICES_NAMES = re.compile(r"ray|simulation|sigterm|sigkill|signal|ctrl_c|interrupt")
 
 
