@@ -1244,6 +1244,7 @@ def test_rounds_in_which_every_client_fails_end_the_run_failed(tmp_path, monkeyp
     """Rounds 1-2 train; from round 3 every client's reply is an error: after max_failed_rounds=3 such rounds
     the run stops (round 5), `failed`, the reason in one line; the rounds before it stay in the outputs."""
     import fedsim.server as server
+    from fedsim.messages import Cohort
 
     original, calls = server._train_replies, [0]
 
@@ -1251,7 +1252,7 @@ def test_rounds_in_which_every_client_fails_end_the_run_failed(tmp_path, monkeyp
         calls[0] += 1
         if calls[0] < 3:
             return original(*args)
-        return 0, [], [("error", "<class 'ValueError'>:<'boom'>")] * len(args[2])
+        return 0, Cohort.from_replies([]), [("error", "<class 'ValueError'>:<'boom'>")] * len(args[2])
 
     monkeypatch.setattr(server, "_train_replies", fail_from_round_3)
     with pytest.raises(
