@@ -342,6 +342,29 @@ def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
     return _chain(ALWAYS + tuple(spec.get("halves") or ()))
 
 
+@dataclass(frozen=True)
+class RowHalves:
+    """What a batched engine asks of the client halves one train instruction names: those it asks for
+    (``active``, in order: their ``on_rows`` after training), those to ask per client (``ask``: their
+    :meth:`ClientHalf.batched` reads the client's task), those that give labels (``relabel``), and the first
+    that runs on no row of this instruction (``refused``: the clients train through the ClientApp)."""
+
+    active: tuple[ClientHalf, ...] = ()
+    ask: tuple[ClientHalf, ...] = ()
+    relabel: tuple[ClientHalf, ...] = ()
+    refused: str | None = None
+
+
+def row_halves(spec: str, ins: Any) -> RowHalves:
+    """The :class:`RowHalves` of the halves of ``spec`` that ``ins`` asks for; a half that keeps ``batched``'s
+    default (it does not read the task) is asked once, here."""
+    active = tuple(h for h in chain(spec) if h.active(ins))
+    ask = tuple(h for h in active if type(h).batched is not ClientHalf.batched)
+    refused = next((type(h).__name__ for h in active if h not in ask and not h.batched(ins, None)), None)
+    relabel = tuple(h for h in active if type(h).labels is not ClientHalf.labels)
+    return RowHalves(active, ask, relabel, refused)
+
+
 @dataclass
 class ClientChain:
     """One train task's client side beside the training loop: the client algorithm, the client halves the

@@ -150,11 +150,13 @@ def cohort_batches(
     if counts.sum() < sizes.sum():  # the rows the steps take: example e of the cohort's steps is row e
         rows = [(c.task, _order(c.batches)) for c in members]
         x = torch.cat([t.x_train.index_select(0, r.to(t.x_train.device)) for t, r in rows])
-        y = torch.cat([c.y.index_select(0, r.to(c.y.device)) for c, (_, r) in zip(members, rows)])
+        y = torch.cat(
+            [_labels(c).index_select(0, r.to(t.y_train.device)) for c, (t, r) in zip(members, rows)]
+        )
         gather[where] = np.arange(int(counts.sum()), dtype=np.int64)
     else:
         x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
-        y = torch.cat([c.y for c in members])
+        y = torch.cat([_labels(c) for c in members])
         order = torch.cat([t for c in members for t in _parts(c.batches)]).cpu().numpy()
         gather[where] = order + np.repeat(np.cumsum(sizes) - sizes, counts)  # into the cohort's data
     weight = np.zeros(steps * k * width, dtype=np.float64)
@@ -162,3 +164,8 @@ def cohort_batches(
     shape = (steps, k, width)
     gather_t = torch.from_numpy(gather).view(shape).to(device)
     return x, y, gather_t, torch.from_numpy(weight).view(shape).to(device=device, dtype=x.dtype)
+
+
+def _labels(c: _Client) -> torch.Tensor:
+    """The labels client ``c`` trains on (its client halves', else its task's)."""
+    return c.task.y_train if c.y is None else c.y

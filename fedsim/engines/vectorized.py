@@ -55,7 +55,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedsim import keys
-from fedsim.algorithms.halves import ClientHalf, Rows, chain
+from fedsim.algorithms.halves import ClientHalf, RowHalves, Rows, chain, row_halves
 from fedsim.build import ClientTask, client_task
 from fedsim.engines import dense, grouped
 from fedsim.engines.memory import (  # noqa: F401
@@ -112,14 +112,13 @@ def _declares_batched(algorithm: object) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _halves(spec: str) -> tuple[tuple[ClientHalf, ...], frozenset[str]] | None:
-    """The client halves of ``spec`` and the train-config keys the batched path runs with them (None when the
-    spec names a half that cannot be built: the ClientApp replies with the error)."""
+def _claimed(spec: str) -> frozenset[str] | None:
+    """The train-config keys the batched path runs under ``spec``: the step's and its client halves' (None when
+    the spec names a half that cannot be built: the ClientApp replies with the error)."""
     try:
-        found = chain(spec)
+        return STEP_KEYS.union(*(h.keys for h in chain(spec)))
     except (ValueError, TypeError, AttributeError):
         return None
-    return found, STEP_KEYS.union(*(h.keys for h in found))
 
 
 @dataclass
@@ -133,14 +132,8 @@ class _Client:
     proximal_mu: float = 0.0
     ins: TrainInstruction | None = None
     plan: _Plan | None = None  # what is the same every round (the engine's cache)
-    halves: tuple[
-        ClientHalf, ...
-    ] = ()  # the client halves its instruction asks for (fedsim.algorithms.halves)
+    halves: RowHalves = RowHalves()  # the client halves its instruction asks for (fedsim.algorithms.halves)
     y: torch.Tensor | None = None  # the labels it trains on (its halves' ``labels``; None: its task's)
-
-    def __post_init__(self) -> None:
-        if self.y is None:
-            self.y = self.task.y_train
 
 
 @dataclass(eq=False)
@@ -293,7 +286,8 @@ class VectorizedGrid(PoolGrid):
         if plan is None:
             return None
         reason = plan.algorithm or ("extra arrays in the train message" if extra else plan.reason)
-        for half in halves:  # each half says whether it runs on this client's row
+        reason = reason or (halves.refused and f"client half {halves.refused}")
+        for half in halves.ask:  # a half that says per client whether it runs on the client's row
             if reason is None and not half.batched(ins, task):
                 reason = f"client half {type(half).__name__}"
         if reason is not None:
@@ -311,7 +305,7 @@ class VectorizedGrid(PoolGrid):
         if not fit:
             return None  # the ClientApp's strict load reports the mismatch
         y = task.y_train
-        for half in halves:
+        for half in halves.relabel:
             y = half.labels(ins, task.partition_id, y, task.num_classes)
         return _Client(msg, task, start, proximal_mu=ins.proximal_mu, ins=ins, plan=plan, halves=halves, y=y)
 
@@ -357,15 +351,15 @@ class VectorizedGrid(PoolGrid):
         arrays = content.get(keys.ARRAYS)
         if cfg is None or arrays is None or not isinstance(cfg.get(keys.RUN_SPEC), str):
             return None, None, False, ()
-        found = _halves(cfg[keys.RUN_SPEC])
-        if found is None:
+        claimed = _claimed(cfg[keys.RUN_SPEC])
+        if claimed is None:
             return None, None, False, ()
         ins = parse_train(cfg)
-        extra = set(cfg.keys()) - found[1]
+        extra = set(cfg.keys()) - claimed
         if extra:  # unknown to fedsim, or a user's setting that no client half of the run claims
             self._skip(f"train config keys no batched step or client half claims: {', '.join(sorted(extra))}")
             return None, None, False, ()
-        halves = tuple(h for h in found[0] if h.active(ins))
+        halves = row_halves(cfg[keys.RUN_SPEC], ins)
         return arrays, ins, any(name != keys.ARRAYS for name in content.array_records), halves
 
     def _train(self, clients: list[_Client], local: LocalTraining, device: str, mu: float) -> list[Cohort]:
@@ -489,7 +483,7 @@ def _apply_halves(members: list[_Client], names: list[str], params: dict[str, to
     """Each client half the members ask for, in the chain's order, on the trained rows (``ClientHalf.on_rows``,
     ``params`` edited in place); each row's extra reply metrics."""
     halves: list[ClientHalf] = []
-    for group in {id(c.halves): c.halves for c in members}.values():
+    for group in {id(c.halves): c.halves.active for c in members}.values():
         halves.extend(h for h in group if h not in halves)
     if not halves:
         return [{} for _ in members]
