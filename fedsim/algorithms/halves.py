@@ -342,6 +342,19 @@ def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
     return _chain(ALWAYS + tuple(spec.get("halves") or ()))
 
 
+def run_on_rows(half: ClientHalf, rows: Rows) -> None:
+    """``half.on_rows(rows)``, unless a subclass overrides ``on_reply`` below the class whose ``on_rows`` it
+    inherits (a user's subclass of a shipped half): then its ``on_reply`` on each row (the default form), so
+    the override counts on every engine."""
+    mro = type(half).__mro__
+    rows_owner = next(c for c in mro if "on_rows" in vars(c))
+    reply_owner = next(c for c in mro if "on_reply" in vars(c))
+    if issubclass(rows_owner, reply_owner):
+        half.on_rows(rows)
+    else:
+        ClientHalf.on_rows(half, rows)
+
+
 @dataclass(frozen=True)
 class RowHalves:
     """What a batched engine asks of the client halves one train instruction names: those it asks for

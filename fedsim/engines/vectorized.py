@@ -55,7 +55,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from fedsim import keys
-from fedsim.algorithms.halves import ClientHalf, RowHalves, Rows, chain, row_halves
+from fedsim.algorithms.halves import ClientHalf, RowHalves, Rows, chain, row_halves, run_on_rows
 from fedsim.build import ClientTask, client_task
 from fedsim.engines import dense, grouped
 from fedsim.engines.memory import (  # noqa: F401
@@ -497,7 +497,7 @@ def _apply_halves(members: list[_Client], names: list[str], params: dict[str, to
         [c.task.faults for c in members],
     )
     for half in halves:
-        half.on_rows(rows)
+        run_on_rows(half, rows)
     return rows.metrics
 
 
