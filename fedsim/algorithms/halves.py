@@ -338,8 +338,15 @@ def _chain(paths: tuple[str, ...]) -> tuple[ClientHalf, ...]:
 def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
     """The client halves of a run spec, in the order they apply: client-side clipping, injected faults, then
     those its features name (``spec["halves"]``, written from the features' ``client_half``)."""
-    spec = json.loads(spec) if isinstance(spec, str) else spec
+    if isinstance(spec, str):
+        return _chain_of_json(spec)
     return _chain(ALWAYS + tuple(spec.get("halves") or ()))
+
+
+@functools.lru_cache(maxsize=64)
+def _chain_of_json(spec: str) -> tuple[ClientHalf, ...]:
+    """:func:`chain` of a JSON run spec, parsed once per spec (every message of a run carries the same)."""
+    return chain(json.loads(spec))
 
 
 def run_on_rows(half: ClientHalf, rows: Rows) -> None:
