@@ -51,7 +51,8 @@ class FedAvg(FlowerFedAvg):
     def combine_cohort(self, cohort: Cohort, weights: Sequence[float]) -> dict[str, np.ndarray]:
         """The aggregate of the cohort's models (float64): ``server_step`` of their weighted mean, taken where
         the rows are (on the CPU the bits of ``aggregate.weighted_mean`` of the rows)."""
-        if type(self).combine is not FedAvg.combine or "combine" in vars(self):  # a per-client form of its own
+        # a per-client form of its own (a subclass's, or one set on the instance)
+        if type(self).combine is not FedAvg.combine or "combine" in vars(self):
             return self.combine(cohort.host_models(), weights)
         return self.server_step(cohort.weighted_mean(weights))
 
