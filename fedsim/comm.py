@@ -51,8 +51,8 @@ def message_bytes(messages: Iterable[Message]) -> int:
 
 def cohort_bytes(stacked) -> int:
     """``message_bytes(cohort.replies())`` for a cohort the engine trained batched (``fedsim.messages.Cohort``),
-    without making the replies: every row's ArrayRecord has the same
-    size, and a MetricRecord's size depends on its keys and integers only (a float is always 8 bytes)."""
+    without making the replies, from the pieces :func:`recorddict_bytes` adds up: every row's ArrayRecord has
+    the same size, and a MetricRecord's size depends on its keys and integers only (a float is always 8 bytes)."""
     from fedsim import keys
     from fedsim.strategies.records import npy_header
 
@@ -63,10 +63,8 @@ def cohort_bytes(stacked) -> int:
         dtype = torch_numpy_dtype(t.dtype)
         shape = tuple(int(d) for d in t.shape[1:])
         data = len(npy_header(dtype.str, shape)) + math.prod(shape) * dtype.itemsize
-        size = _array_head(str(dtype), shape, "numpy.ndarray") + (_field(data) if data else 0)
-        record += _field(_string(name) + _field(size))
-    arrays = _field(_string(keys.ARRAYS) + _field(record))
-    return len(stacked) * arrays + sum(
+        record += _array_entry(name, str(dtype), shape, "numpy.ndarray", data)
+    return len(stacked) * _array_item(keys.ARRAYS, record) + sum(
         _metric_item_bytes(keys.METRICS, _size_key(m)) for m in stacked.metrics
     )
 
@@ -101,25 +99,35 @@ def recorddict_bytes(content: RecordDict) -> int:
     total = 0
     for key, record in content.items():
         if isinstance(record, ArrayRecord):
-            item = _string(key) + _field(_array_record_bytes(record))  # field 2 (array_record), always set
+            total += _array_item(key, _array_record_bytes(record))
         elif isinstance(record, MetricRecord):
-            item = ProtoRecordDict.Item(key=key, metric_record=metric_record_to_proto(record)).ByteSize()
+            total += _metric_item_bytes(key, _size_key(dict(record.items())))
         elif isinstance(record, ConfigRecord):
             item = ProtoRecordDict.Item(key=key, config_record=config_record_to_proto(record)).ByteSize()
+            total += _field(item)  # RecordDict.items, field 1
         else:
             raise ValueError(f"Unsupported record type: {type(record)}")
-        total += _field(item)  # RecordDict.items, field 1
     return total
+
+
+def _array_item(key: str, record: int) -> int:
+    """A RecordDict item (field 1) holding an ArrayRecord of ``record`` bytes (field 2, always set)."""
+    return _field(_string(key) + _field(record))
 
 
 def _array_record_bytes(record: ArrayRecord) -> int:
-    total = 0
-    for key, array in record.items():
-        size = _array_head(array.dtype, tuple(array.shape), array.stype)
-        if array.data:  # Array.data, field 4 (an empty bytes field is not written)
-            size += _field(len(array.data))
-        total += _field(_string(key) + _field(size))  # ArrayRecord.items{key: 1, value: 2 (always set)}
-    return total
+    return sum(
+        _array_entry(key, array.dtype, tuple(array.shape), array.stype, len(array.data))
+        for key, array in record.items()
+    )
+
+
+def _array_entry(name: str, dtype: str, shape: tuple[int, ...], stype: str, data: int) -> int:
+    """An ArrayRecord item ``{key: 1, value: 2 (always set)}`` for an Array of ``data`` bytes of values."""
+    size = _array_head(dtype, shape, stype)
+    if data:  # Array.data, field 4 (an empty bytes field is not written)
+        size += _field(data)
+    return _field(_string(name) + _field(size))
 
 
 @functools.lru_cache(maxsize=4096)

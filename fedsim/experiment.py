@@ -21,7 +21,7 @@ import torch
 from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
-from fedsim import build
+from fedsim import build, build_server
 from fedsim.checks import number
 from fedsim.clock import Heterogeneity
 from fedsim.data.base import Dataset
@@ -78,8 +78,10 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
     check_objective(cfg, task)
     build.build_splits(spec)  # partitions and checks val_fraction; clients are split when first sampled
     m = clients_per_round(cfg)
-    strategy = build.build_strategy(cfg, m)
-    build.bind_client_algorithm(spec, strategy)  # the strategy's client half, or a refusal naming the pair
+    strategy = build_server.build_strategy(cfg, m)
+    build_server.bind_client_algorithm(
+        spec, strategy
+    )  # the strategy's client half, or a refusal naming the pair
     if build.client_algorithm(spec).stateful and base.is_async(strategy):
         raise ConfigError(
             "strategy",
@@ -87,7 +89,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
             "a synchronous strategy with a stateful client algorithm",
         )
     spec_json = json.dumps(spec, sort_keys=True)
-    clock = build.build_heterogeneity(cfg, int(cfg.num_clients))
+    clock = build_server.build_heterogeneity(cfg, int(cfg.num_clients))
     model = build.build_initial_model(spec)
     check_model = getattr(base.unwrap(strategy), "check_model", None)
     if callable(check_model):  # e.g. FedPer's personal layers must name parts of this model
@@ -127,7 +129,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
         node_timeout=float(cfg.get("node_timeout") or 300),
         eval_every=int(cfg.eval_every),
         federated_eval=bool(cfg.federated_eval),
-        fraction_evaluate=float(cfg.strategy.get(build.LOOP_OWNED_STRATEGY_KEY, 1.0)),
+        fraction_evaluate=float(cfg.strategy.get(build_server.LOOP_OWNED_STRATEGY_KEY, 1.0)),
         metric=task.metric,
     )
     return Experiment(
@@ -146,7 +148,7 @@ def build_experiment(cfg: DictConfig, deployed: bool = False) -> Experiment:
             build.build_initial_model(spec), ds.x_test, ds.y_test, server_device, task
         ),
         task=task,
-        callbacks=build.build_callbacks(cfg),
+        callbacks=build_server.build_callbacks(cfg),
     )
 
 

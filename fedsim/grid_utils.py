@@ -16,6 +16,7 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.errors import RunError, reply_error
+from fedsim.screen import Row, _names, check_metrics, together
 from fedsim.strategies.records import array_values
 
 log = logging.getLogger("fedsim")
@@ -271,17 +272,6 @@ def _node(rep: Message) -> str:
     return f"node {rep.metadata.src_node_id}"
 
 
-def _names(keys_: Iterable[str], limit: int = 3) -> str:
-    keys_ = sorted(keys_)
-    more = f" and {len(keys_) - limit} more" if len(keys_) > limit else ""
-    return ", ".join(repr(k) for k in keys_[:limit]) + more
-
-
-# The most examples one reply may claim (``num-examples``): far above any partition fedsim can hold in memory,
-# far below what would let one reply outweigh the rest in float64 (1e308 turned the global model to zeros).
-MAX_NUM_EXAMPLES = 10**9
-
-
 @functools.lru_cache(maxsize=1024)
 def _npy_layout(head: bytes) -> tuple[tuple[int, ...], np.dtype] | None:
     """Shape and dtype of an ``np.save`` header (numpy's own parser), or None when it is no header of plain
@@ -320,45 +310,6 @@ def array_problem(name: str, a: Array) -> str | None:
         return f"the bytes of {name!r} hold {len(data) - end} bytes of values, not the {shape} {dtype} of their header"
     if str(dtype) != str(a.dtype) or shape != tuple(a.shape):
         return f"the bytes of {name!r} are {dtype} {shape}, but it declares {a.dtype} {tuple(a.shape)}"
-    return None
-
-
-def _whole(v: object, low: float, high: float) -> bool:
-    """A whole number (int, or float without a fraction) in ``[low, high]``; not a bool."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    return math.isfinite(v) and v == int(v) and low <= v <= high
-
-
-def check_metrics(node: str, metrics: Mapping, partition: int | None = None) -> tuple[str, str] | None:
-    """Why a train reply's metrics cannot be aggregated: ``(kind, detail)``, or None when they can. The one check
-    of a reply's metrics, for Messages (:func:`check_reply_content`) and a batched cohort's rows
-    (:func:`screen_cohort`) alike; ``node`` names the reply's node (``"node 3"``)."""
-    for key in (keys.PARTITION_ID, keys.NUM_EXAMPLES):
-        v = metrics.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-            return "malformed", (
-                f"reply from {node} lacks a number >= 0 for metric {key!r} "
-                f"(metrics: {_names(metrics.keys())}); is it fedsim's ClientApp?"
-            )
-    pid, n = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
-    if not _whole(pid, 0, 2**31):
-        return "malformed", f"reply from {node}: partition-id {pid!r} is not a whole number in [0, 2^31]"
-    if partition is not None and int(pid) != partition:
-        return (
-            "malformed",
-            f"reply from {node}: partition-id {int(pid)}, but the node holds partition {partition}",
-        )
-    if not _whole(n, 0, MAX_NUM_EXAMPLES):
-        return "malformed", (
-            f"reply from {node}: num-examples {n!r} is not a whole number in [0, {MAX_NUM_EXAMPLES:.0e}]"
-        )
-    for k, v in metrics.items():
-        ok = isinstance(v, (int, float)) or (
-            isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
-        )
-        if not ok or isinstance(v, bool):
-            return "malformed", f"reply from {node}: metric {k!r} is not a number ({type(v).__name__})"
     return None
 
 
@@ -479,8 +430,6 @@ def screen_replies(
 
 def _screen_together(valid: list[Message], failures: list) -> tuple[list[Message], list[tuple[str, str]]]:
     """The checks across a round's replies (``fedsim.screen.together``) of Messages."""
-    from fedsim.screen import Row, together
-
     rows = [
         Row(
             rep,

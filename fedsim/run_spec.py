@@ -43,14 +43,15 @@ def spec_from_overrides(overrides: str) -> str:
     """The client spec (JSON) fedsim's ServerApp sends for ``overrides`` (a shell-like string), derived here.
 
     The same composition and checks as the ServerApp (unknown keys, bad syntax), the same client algorithm
-    (the strategy's client half, ``build.bind_client_algorithm``), so an honest message carries exactly it.
+    (the strategy's client half, ``build_server.bind_client_algorithm``), so an honest message carries exactly it.
 
     Raises
     ------
     MissingSpecError
         The overrides do not compose (one line naming them).
     """
-    from fedsim.build import bind_client_algorithm, build_strategy, client_spec
+    from fedsim.build import client_spec
+    from fedsim.build_server import bind_client_algorithm, build_strategy
     from fedsim.run_config import DeployConfigError, experiment_from
 
     try:  # the same composition and checks (unknown keys, bad syntax) as fedsim's ServerApp

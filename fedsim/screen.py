@@ -6,13 +6,61 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord
 
 from fedsim import keys
-from fedsim.grid_utils import _names, check_metrics
+
+# The most examples one reply may claim (``num-examples``): far above any partition fedsim can hold in memory,
+# far below what would let one reply outweigh the rest in float64 (1e308 turned the global model to zeros).
+MAX_NUM_EXAMPLES = 10**9
+
+
+def _names(keys_: Iterable[str], limit: int = 3) -> str:
+    keys_ = sorted(keys_)
+    more = f" and {len(keys_) - limit} more" if len(keys_) > limit else ""
+    return ", ".join(repr(k) for k in keys_[:limit]) + more
+
+
+def _whole(v: object, low: float, high: float) -> bool:
+    """A whole number (int, or float without a fraction) in ``[low, high]``; not a bool."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) and v == int(v) and low <= v <= high
+
+
+def check_metrics(node: str, metrics: Mapping, partition: int | None = None) -> tuple[str, str] | None:
+    """Why a train reply's metrics cannot be aggregated: ``(kind, detail)``, or None when they can. The one check
+    of a reply's metrics, for Messages (:func:`fedsim.grid_utils.check_reply_content`) and a batched cohort's rows
+    (:func:`screen_cohort`) alike; ``node`` names the reply's node (``"node 3"``)."""
+    for key in (keys.PARTITION_ID, keys.NUM_EXAMPLES):
+        v = metrics.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            return "malformed", (
+                f"reply from {node} lacks a number >= 0 for metric {key!r} "
+                f"(metrics: {_names(metrics.keys())}); is it fedsim's ClientApp?"
+            )
+    pid, n = metrics[keys.PARTITION_ID], metrics[keys.NUM_EXAMPLES]
+    if not _whole(pid, 0, 2**31):
+        return "malformed", f"reply from {node}: partition-id {pid!r} is not a whole number in [0, 2^31]"
+    if partition is not None and int(pid) != partition:
+        return (
+            "malformed",
+            f"reply from {node}: partition-id {int(pid)}, but the node holds partition {partition}",
+        )
+    if not _whole(n, 0, MAX_NUM_EXAMPLES):
+        return "malformed", (
+            f"reply from {node}: num-examples {n!r} is not a whole number in [0, {MAX_NUM_EXAMPLES:.0e}]"
+        )
+    for k, v in metrics.items():
+        ok = isinstance(v, (int, float)) or (
+            isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
+        )
+        if not ok or isinstance(v, bool):
+            return "malformed", f"reply from {node}: metric {k!r} is not a number ({type(v).__name__})"
+    return None
 
 
 def screen_cohort(cohort, reference: ArrayRecord, partitions: Mapping[int, int] | None = None):

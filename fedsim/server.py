@@ -168,6 +168,22 @@ def _pid(rep: Message) -> int:
     return int(rep.content[keys.METRICS][keys.PARTITION_ID])
 
 
+@dataclass(frozen=True)
+class _Loop:
+    """What every round of :func:`run_sync` reads (the clients found, the strategy, the clock...)."""
+
+    grid: Grid
+    loop: LoopConfig
+    strategy: object
+    spec: str
+    evaluate_fn: Callable[[ArrayRecord], tuple[float, float]]
+    clock: Heterogeneity
+    node_of: dict[int, int]
+    sizes: dict[int, int]
+    work: Workload
+    every_round: bool  # DP: no round is skipped, an empty one is noised
+
+
 def run_sync(
     grid: Grid,
     loop: LoopConfig,
@@ -180,8 +196,10 @@ def run_sync(
 ) -> RunState:
     """Run synchronous rounds until ``loop.num_rounds``; call ``on_round(record, state)`` after each."""
     node_of, sizes = connect_sizes(grid, loop, spec)
-    work = Workload(spec, sizes)
-    every_round = base.releases_every_round(strategy)  # DP: no round is skipped, an empty one is noised
+    every_round = base.releases_every_round(strategy)
+    ctx = _Loop(
+        grid, loop, strategy, spec, evaluate_fn, clock, node_of, sizes, Workload(spec, sizes), every_round
+    )
     if every_round and loop.min_replies > 1:
         log.warning(
             "min_replies=%d does not apply with DP noise: every round releases the noised sum of its valid "
@@ -190,100 +208,139 @@ def run_sync(
         )
     if state.round == 0:
         record_initial(state, evaluate_fn, on_round, loop.metric)
-
     while state.round < loop.num_rounds and not state.stop_reason:
         state.rollback = checkpoint.mark(state, strategy)  # an interrupt in this round returns here
-        rnd = state.round + 1
-        t0 = time.perf_counter()
-        probed = {"down": 0, "up": 0}  # bytes of the loss probes a selection rule asks for this round
-        cohort = base.choose_cohort(
-            strategy,
-            rnd,
-            loop.num_clients,
-            loop.clients_per_round,
-            lambda pids, rnd=rnd, probed=probed: probe_losses(
-                grid, node_of, pids, state.arrays, spec, rnd, loop.round_timeout, probed
-            ),
-            sizes,
-        )
-        if cohort is None:
-            cohort = sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round)
-        plans = {p.pid: p for p in plan_round(clock, work, cohort, rnd)}
-        sent = [p for p in cohort if plans[p].fate in ("train", "partial")]
-        view = SampledGrid(grid, [node_of[p] for p in sent])
-        config = ConfigRecord({keys.RUN_SPEC: spec})
-        try:
-            messages = (
-                list(strategy.configure_train(rnd, state.arrays, config, view)) if sent or every_round else []
-            )
-        except StopRun as stop:
-            log.warning("stopping before round %d: %s", rnd, stop)
-            state.stop_reason = str(stop)
+        record = _sync_round(ctx, state, state.round + 1)
+        if record is None:  # the strategy stopped the run (StopRun)
             break
-        _limit_partial(messages, plans, {nid: pid for pid, nid in node_of.items()})
-        bytes_up, valid, failures = _train_replies(
-            grid, strategy, messages, state, node_of, loop.round_timeout
-        )
-        pids = valid.partition_ids
-        record: dict = {
-            schema.ROUND: rnd,
-            schema.NUM_CLIENTS: len(valid),
-            **failure_fields(failures, f"round {rnd}", "client"),
-        }
-        record.update(
-            base.round_fields(strategy, pids)
-        )  # e.g. attack=: the attackers among the valid replies
-        record[schema.BYTES_DOWN] = comm.message_bytes(messages) + probed["down"]  # serialised, each way
-        record[schema.BYTES_UP] = bytes_up + probed["up"]
-        fates = Counter(p.fate for p in plans.values())
-        for fate, field_name in (
-            ("dropout", schema.DROPPED_OUT),
-            ("late", schema.DROPPED_LATE),
-            ("partial", schema.PARTIAL_WORK),
-        ):
-            if fates[fate]:
-                record[field_name] = fates[fate]
-        waited = bool(fates["dropout"] or fates["late"])
-        state.sim_time += clock.round_time([plans[p].duration for p in sent], waited=waited)
-        if len(valid) < loop.min_replies and not every_round:
-            log.warning(
-                "round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), loop.min_replies
-            )
-            record[schema.SKIPPED] = True
-        else:
-            try:
-                arrays, metrics = base.aggregate(strategy, rnd, valid)
-            except StopRun as stop:
-                log.warning("stopping at round %d: %s", rnd, stop)
-                state.stop_reason = str(stop)
-                break
-            except ConfigError as e:  # e.g. Krum with too few valid replies this round: skip, keep going
-                log.warning("round %d skipped: %s", rnd, e)
-                arrays, metrics = None, None
-                record[schema.SKIPPED] = True
-            if arrays is not None:
-                bad = nonfinite_arrays(arrays)
-                if bad:  # the loop stops before adopting it: the outputs keep the last finite model
-                    raise RunError(diverged_message(rnd, bad))
-                state.arrays = arrays
-            record.update(_metric_fields(metrics))
-        if loop.federated_eval and not record.get(schema.SKIPPED) and sent:
-            evaluators = SampledGrid(
-                grid, [node_of[p] for p in sample_evaluators(loop.seed, rnd, sent, loop.fraction_evaluate)]
-            )
-            record.update(
-                _federated_eval(
-                    grid, strategy, rnd, state.arrays, spec, evaluators, loop.round_timeout, loop.metric
-                )
-            )
-        state.round = rnd
-        record[schema.SIM_TIME] = state.sim_time
-        if rnd % loop.eval_every == 0 or rnd == loop.num_rounds:
-            loss_score = evaluate_finite(evaluate_fn, state, rnd)
-            record[schema.EVAL_LOSS], record[schema.eval_field(loop.metric)] = loss_score
-        record[schema.ROUND_TIME] = time.perf_counter() - t0
         on_round(record, state)
     return state
+
+
+def _sync_round(ctx: _Loop, state: RunState, rnd: int) -> dict | None:
+    """One synchronous round: its record (``state`` updated), or None when the strategy stops the run."""
+    t0 = time.perf_counter()
+    probed = {"down": 0, "up": 0}  # bytes of the loss probes a selection rule asks for this round
+    plans = {p.pid: p for p in plan_round(ctx.clock, ctx.work, _choose(ctx, state, rnd, probed), rnd)}
+    sent = [p for p in plans if plans[p].fate in ("train", "partial")]
+    messages = _configure(ctx, state, rnd, plans, sent)
+    if messages is None:
+        return None
+    bytes_up, valid, failures = _train_replies(
+        ctx.grid, ctx.strategy, messages, state, ctx.node_of, ctx.loop.round_timeout
+    )
+    record: dict = {
+        schema.ROUND: rnd,
+        schema.NUM_CLIENTS: len(valid),
+        **failure_fields(failures, f"round {rnd}", "client"),
+    }
+    record.update(base.round_fields(ctx.strategy, valid.partition_ids))  # e.g. attack=: the attackers
+    record[schema.BYTES_DOWN] = comm.message_bytes(messages) + probed["down"]  # serialised, each way
+    record[schema.BYTES_UP] = bytes_up + probed["up"]
+    waited = _fate_fields(plans, record)
+    state.sim_time += ctx.clock.round_time([plans[p].duration for p in sent], waited=waited)
+    if not _aggregate_round(ctx, state, rnd, valid, record):
+        return None
+    if ctx.loop.federated_eval and not record.get(schema.SKIPPED) and sent:
+        ids = sample_evaluators(ctx.loop.seed, rnd, sent, ctx.loop.fraction_evaluate)
+        evaluators = SampledGrid(ctx.grid, [ctx.node_of[p] for p in ids])
+        record.update(
+            _federated_eval(
+                ctx.grid,
+                ctx.strategy,
+                rnd,
+                state.arrays,
+                ctx.spec,
+                evaluators,
+                ctx.loop.round_timeout,
+                ctx.loop.metric,
+            )
+        )
+    state.round = rnd
+    record[schema.SIM_TIME] = state.sim_time
+    if rnd % ctx.loop.eval_every == 0 or rnd == ctx.loop.num_rounds:
+        loss_score = evaluate_finite(ctx.evaluate_fn, state, rnd)
+        record[schema.EVAL_LOSS], record[schema.eval_field(ctx.loop.metric)] = loss_score
+    record[schema.ROUND_TIME] = time.perf_counter() - t0
+    return record
+
+
+def _choose(ctx: _Loop, state: RunState, rnd: int, probed: dict) -> list[int]:
+    """Round ``rnd``'s cohort: the strategy's choice (a selection rule, its probes' bytes added to ``probed``),
+    else the seeded sample."""
+    loop = ctx.loop
+    cohort = base.choose_cohort(
+        ctx.strategy,
+        rnd,
+        loop.num_clients,
+        loop.clients_per_round,
+        lambda pids: probe_losses(
+            ctx.grid, ctx.node_of, pids, state.arrays, ctx.spec, rnd, loop.round_timeout, probed
+        ),
+        ctx.sizes,
+    )
+    return (
+        sample_cohort(loop.seed, rnd, loop.num_clients, loop.clients_per_round) if cohort is None else cohort
+    )
+
+
+def _configure(ctx: _Loop, state: RunState, rnd: int, plans: dict[int, Plan], sent: list[int]) -> list | None:
+    """The strategy's train messages to the clients ``sent`` (none for an empty round, unless DP releases it),
+    each told its step limit; None (``state.stop_reason`` set) when the strategy stops the run."""
+    view = SampledGrid(ctx.grid, [ctx.node_of[p] for p in sent])
+    config = ConfigRecord({keys.RUN_SPEC: ctx.spec})
+    try:
+        messages = []
+        if sent or ctx.every_round:
+            messages = list(ctx.strategy.configure_train(rnd, state.arrays, config, view))
+    except StopRun as stop:
+        log.warning("stopping before round %d: %s", rnd, stop)
+        state.stop_reason = str(stop)
+        return None
+    _limit_partial(messages, plans, {nid: pid for pid, nid in ctx.node_of.items()})
+    return messages
+
+
+def _fate_fields(plans: dict[int, Plan], record: dict) -> bool:
+    """Count the clients that dropped out, came late or did part of their work into ``record``; whether the
+    server waited for one it did not get."""
+    fates = Counter(p.fate for p in plans.values())
+    for fate, field_name in (
+        ("dropout", schema.DROPPED_OUT),
+        ("late", schema.DROPPED_LATE),
+        ("partial", schema.PARTIAL_WORK),
+    ):
+        if fates[fate]:
+            record[field_name] = fates[fate]
+    return bool(fates["dropout"] or fates["late"])
+
+
+def _aggregate_round(ctx: _Loop, state: RunState, rnd: int, valid: Cohort, record: dict) -> bool:
+    """Aggregate the round's valid replies into ``state.arrays`` (or mark the round skipped in ``record``);
+    False (``state.stop_reason`` set) when the strategy stops the run."""
+    if len(valid) < ctx.loop.min_replies and not ctx.every_round:
+        log.warning(
+            "round %d skipped: %d valid replies < min_replies=%d", rnd, len(valid), ctx.loop.min_replies
+        )
+        record[schema.SKIPPED] = True
+        return True
+    try:
+        arrays, metrics = base.aggregate(ctx.strategy, rnd, valid)
+    except StopRun as stop:
+        log.warning("stopping at round %d: %s", rnd, stop)
+        state.stop_reason = str(stop)
+        return False
+    except ConfigError as e:  # e.g. Krum with too few valid replies this round: skip, keep going
+        log.warning("round %d skipped: %s", rnd, e)
+        arrays, metrics = None, None
+        record[schema.SKIPPED] = True
+    if arrays is not None:
+        bad = nonfinite_arrays(arrays)
+        if bad:  # the loop stops before adopting it: the outputs keep the last finite model
+            raise RunError(diverged_message(rnd, bad))
+        state.arrays = arrays
+    record.update(_metric_fields(metrics))
+    return True
 
 
 def _train_replies(

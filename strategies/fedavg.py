@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore import log as flwr_log
 
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import cast_like
+from fedsim.strategies.aggregate import cast_like, weighted_mean
 from fedsim.strategies.records import reply_arrays, reply_metrics, to_record
 
 if TYPE_CHECKING:
@@ -51,9 +51,17 @@ class FedAvg(FlowerFedAvg):
     def combine_cohort(self, cohort: Cohort, weights: Sequence[float]) -> dict[str, np.ndarray]:
         """The aggregate of the cohort's models (float64): ``server_step`` of their weighted mean, taken where
         the rows are (on the CPU the bits of ``aggregate.weighted_mean`` of the rows)."""
-        if hasattr(self, "combine"):  # a subclass's per-client form
+        # a per-client form of its own (a subclass's, or one set on the instance)
+        if type(self).combine is not FedAvg.combine or "combine" in vars(self):
             return self.combine(cohort.host_models(), weights)
         return self.server_step(cohort.weighted_mean(weights))
+
+    def combine(
+        self, models: Sequence[dict[str, np.ndarray]], weights: Sequence[float]
+    ) -> dict[str, np.ndarray]:
+        """The per-client form of :meth:`combine_cohort` (one numpy dict per client): ``server_step`` of their
+        weighted mean. A subclass that replaces it (and may call it) gets its own on every engine."""
+        return self.server_step(weighted_mean(models, weights))
 
     def _parse(self, replies: Iterable[Message]) -> tuple[list[Message], list[dict], list[float]]:
         """Valid replies, their arrays and their weights (uniform if they sum to 0), for a subclass that

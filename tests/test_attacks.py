@@ -216,3 +216,28 @@ def test_a_poisoned_reply_keeps_its_other_records():
     assert numpy_of(new.content["arrays"])["w"].tolist() == [9.0, 9.0]
     assert numpy_of(new.content["scaffold-dc"])["w"].tolist() == [0.5, 0.5]
     assert numpy_of(reply.content["arrays"])["w"].tolist() == [1.0, 1.0]  # the reply given is untouched
+
+
+def test_label_flip_trains_batched_on_the_default_engine_and_agrees_with_inprocess(tmp_path, caplog):
+    """Label flipping's client half gives each client's labels to the batched engine (``ClientHalf.labels``)
+    and claims its train-config key: the default engine trains the attackers batched (no ClientApp line), and
+    the run agrees with ``engine=inprocess`` (``test_matrix``'s tolerance) and differs from the run without
+    the attack."""
+    from test_matrix import _assert_agree, _tolerance
+
+    from fedsim.run import run_experiment
+
+    over = [*TINY, "attack=label_flip", "attack.fraction=0.5", "client.optimizer=sgd"]
+    cfgs = {}
+    for engine in ("inprocess", "auto"):
+        caplog.clear()
+        cfgs[engine] = compose_cfg(*over, f"engine={engine}")
+        with caplog.at_level("INFO", logger="fedsim"):
+            assert run_experiment(cfgs[engine], tmp_path / engine)["status"] == "completed"
+    assert not [r for r in caplog.records if "through the ClientApp" in r.getMessage()]
+    _assert_agree(
+        tmp_path / "inprocess", tmp_path / "auto", _tolerance(cfgs["inprocess"], tmp_path / "inprocess")
+    )
+    run_experiment(compose_cfg(*TINY, "client.optimizer=sgd", "engine=auto"), tmp_path / "honest")
+    a, b = torch.load(tmp_path / "auto" / "model.pt"), torch.load(tmp_path / "honest" / "model.pt")
+    assert any(not torch.equal(a[k], b[k]) for k in a), "flipping the labels changed nothing"

@@ -470,3 +470,61 @@ def test_clipping_replaces_only_the_model_record_of_a_reply():
     assert np.array_equal(new.content["arrays"]["w"].numpy(), np.zeros(3))
     assert np.array_equal(new.content["scaffold-dc"]["w"].numpy(), dc["w"])
     assert new.content["metrics"]["num-examples"] == 1
+
+
+def _rows_of(updates, bound):
+    """A batched cohort's rows (``fedsim.algorithms.halves.Rows``) that start from 0 and trained to ``updates``,
+    every row asked to clip at ``bound``."""
+    import torch
+
+    from fedsim.algorithms.halves import Rows
+    from fedsim.messages import TrainInstruction
+
+    model = {"w": torch.tensor(updates, dtype=torch.float32)}
+    k = len(updates)
+    ins = TrainInstruction(spec="", clip_norm=bound)
+    return Rows(
+        model, lambda: {"w": torch.zeros_like(model["w"])}, [ins] * k, list(range(k)), [0] * k, [None] * k
+    )
+
+
+def test_client_clipping_on_rows_clips_each_row_as_its_reply_would_be():
+    """One definition for both forms: each row clipped to ``start + d * C / ||d||`` (the oracle written here),
+    its norm and flag reported; the per-client form (one row) gives the same bits."""
+    import torch
+
+    from fedsim.algorithms.halves import ClientClipping, Reply, run_on_rows
+    from fedsim.messages import TrainInstruction
+
+    rows = _rows_of([[3.0, 4.0], [0.3, 0.4]], 1.0)
+    run_on_rows(ClientClipping(), rows)
+    assert torch.allclose(rows.model["w"][0], torch.tensor([0.6, 0.8])) and torch.equal(
+        rows.model["w"][1], torch.tensor([0.3, 0.4])
+    )
+    assert [m[keys.CLIPPED] for m in rows.metrics] == [1.0, 0.0]
+    assert math.isclose(rows.metrics[0][keys.UPDATE_NORM], 5.0) and math.isclose(
+        rows.metrics[1][keys.UPDATE_NORM], 0.5, rel_tol=1e-6
+    )
+    ins = TrainInstruction(spec="", clip_norm=1.0)
+    reply = Reply({"w": torch.tensor([3.0, 4.0])}, {"w": torch.zeros(2)}, ins, 0, 0)
+    ClientClipping().on_reply(reply)
+    assert torch.equal(reply.model["w"], rows.model["w"][0]) and reply.metrics == rows.metrics[0]
+
+
+def test_a_subclass_overriding_on_reply_of_a_shipped_half_is_honoured_on_rows():
+    """A user's subclass of ClientClipping that overrides the per-client ``on_reply`` runs that override on
+    every row (the shipped ``on_rows`` would skip it)."""
+    import torch
+
+    from fedsim.algorithms.halves import ClientClipping, run_on_rows
+
+    class Halving(ClientClipping):
+        def on_reply(self, reply):
+            super().on_reply(reply)
+            reply.model["w"] = reply.model["w"] / 2
+            reply.metrics["halved"] = 1.0
+
+    rows = _rows_of([[3.0, 4.0], [0.3, 0.4]], 1.0)
+    run_on_rows(Halving(), rows)
+    assert torch.allclose(rows.model["w"], torch.tensor([[0.3, 0.4], [0.15, 0.2]]))
+    assert [m["halved"] for m in rows.metrics] == [1.0, 1.0]

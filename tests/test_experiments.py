@@ -145,13 +145,13 @@ def test_alie_paper_is_the_paper_setting():
     assert (cfg.client.local_steps, list(cfg.model.hidden)) == (1, [100])
     assert cfg.partitioner._target_.endswith(".iid")
     # the authors' optimiser: lr 0.1 on the gradient, momentum 0.9 at the server, under every defence
-    from fedsim import build
+    from fedsim import build_server
     from fedsim.strategies import base
 
     assert cfg.client.lr == pytest.approx(0.1)
     for over in ("strategy=fedavgm", "strategy=fedmedian", "strategy=fedtrimmedavg", "strategy=krum"):
         inner = base.unwrap(
-            build.build_strategy(compose_cfg("experiment=alie_paper", over), 50)
+            build_server.build_strategy(compose_cfg("experiment=alie_paper", over), 50)
         )  # the attack's
         assert (inner.server_momentum, inner.server_learning_rate) == (0.9, 1.0), over
 

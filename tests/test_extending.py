@@ -656,3 +656,82 @@ def test_a_users_subclass_of_a_shipped_class_is_honoured_on_every_engine(tmp_pat
     run_experiment(compose(*shipped, "engine=auto"), tmp_path / "shipped")
     a, b = torch.load(tmp_path / "auto" / "model.pt"), torch.load(tmp_path / "shipped" / "model.pt")
     assert any(not torch.equal(a[k], b[k]) for k in a), "the override changed nothing"
+
+
+# ------------------------------------------------------------- a client half that runs batched, from new files
+SHRINKING = '''
+import torch
+from flwr.app import ConfigRecord
+
+from fedsim.algorithms.halves import ClientHalf
+from fedsim.strategies.wrapper import Wrapper
+
+KEY = "shrink-update"
+
+
+class Shrink(Wrapper):
+    """Server half: ask every client to send its update scaled by ``factor``."""
+
+    client_half = "shrinking.ShrinkHalf"
+
+    def __init__(self, strategy, factor=0.5):
+        super().__init__(strategy)
+        self.factor = float(factor)
+
+    def configure_train(self, server_round, arrays, config, grid):
+        config = ConfigRecord({**dict(config.items()), KEY: self.factor})
+        return self.strategy.configure_train(server_round, arrays, config, grid)
+
+
+class ShrinkHalf(ClientHalf):
+    """Client half, written per client only: the update ``model - start`` scaled, and a metric saying so."""
+
+    needs_start = True
+    keys = (KEY,)
+
+    def active(self, ins):
+        return KEY in ins.unhandled
+
+    def on_reply(self, reply):
+        factor = float(reply.ins.unhandled[KEY])
+        for k, s in reply.start.items():
+            if torch.is_floating_point(s):
+                reply.model[k] = s + (reply.model[k] - s) * factor
+        reply.metrics["shrunk"] = factor
+'''
+
+
+def test_a_new_client_half_runs_batched_on_the_default_engine_and_agrees_with_inprocess(
+    tmp_path, monkeypatch, caplog
+):
+    """A feature's two halves from new files (no engine file edited): its half declares its train-config key,
+    so the default engine trains its clients batched and runs the half on the rows (its per-client form, by
+    default); the metrics and the model agree with ``engine=inprocess`` (``test_matrix``'s tolerance), and
+    the half visibly acted (its metric, and a model other than without it)."""
+    from test_matrix import _assert_agree, _tolerance
+
+    from fedsim.run import run_experiment
+
+    (tmp_path / "conf" / "shrinking").mkdir(parents=True)
+    (tmp_path / "shrinking.py").write_text(SHRINKING)
+    (tmp_path / "conf" / "shrinking" / "on.yaml").write_text("_target_: shrinking.Shrink\nfactor: 0.5\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("shrinking", None)
+    over = ["num_clients=6", "clients_per_round=3", "num_rounds=2", "quiet=true", "client.optimizer=sgd"]
+    search = [str(tmp_path / "conf")]
+    cfgs = {}
+    for engine in ("inprocess", "auto"):
+        caplog.clear()
+        cfgs[engine] = compose(*over, "+shrinking=on", f"engine={engine}", searchpath=search)
+        with caplog.at_level("INFO", logger="fedsim"):
+            assert run_experiment(cfgs[engine], tmp_path / engine)["status"] == "completed"
+    assert not [r for r in caplog.records if "through the ClientApp" in r.getMessage()]  # batched: auto
+    sys.modules.pop("shrinking", None)
+    _assert_agree(
+        tmp_path / "inprocess", tmp_path / "auto", _tolerance(cfgs["inprocess"], tmp_path / "inprocess")
+    )
+    rows = [json.loads(line) for line in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("shrunk") for r in rows if r["round"] > 0] == [0.5, 0.5], rows[-1]
+    run_experiment(compose(*over, "engine=auto"), tmp_path / "plain")
+    a, b = torch.load(tmp_path / "auto" / "model.pt"), torch.load(tmp_path / "plain" / "model.pt")
+    assert any(not torch.equal(a[k], b[k]) for k in a), "the half changed nothing"

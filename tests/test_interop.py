@@ -553,7 +553,8 @@ def test_train_messages_carry_flowers_lr_and_local_epochs_from_the_run_spec():
 def test_fedsims_clientapp_derives_the_servers_spec_with_flowers_keys_in_the_run_config():
     """A pyproject declaring `lr` and `local-epochs` beside `overrides`: fedsim's ClientApp composes the same spec
     as fedsim's ServerApp sends (else it would refuse every message)."""
-    from fedsim.build import bind_client_algorithm, build_strategy, client_spec
+    from fedsim.build import client_spec
+    from fedsim.build_server import bind_client_algorithm, build_strategy
     from fedsim.client_app import run_spec
     from fedsim.run_config import experiment_from
 

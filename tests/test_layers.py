@@ -42,3 +42,77 @@ def test_the_scanner_sees_lazy_and_relative_imports_and_finds_a_cycle(tmp_path):
     assert edges["fedsim.sub.c"] == {"fedsim.a": True}  # the TYPE_CHECKING import is not a dependency
     assert layers.cycles(edges) == [["fedsim.a", "fedsim.b", "fedsim.sub.c"]]
     assert layers.closure(edges, "fedsim.a", module_level=True) == {"fedsim.b"}
+
+
+# The code a round runs (the server loops, the engines, the strategies and wrappers, the screen, the client's
+# training and its halves): no function of it over FUNCTION_LIMIT lines. Constructors (``__init__``) run once,
+# when the run is built, and so does node discovery; they are not on it.
+ROUND_PATH = (
+    "fedsim.server",
+    "fedsim.async_server",
+    "fedsim.engines",
+    "fedsim.strategies",
+    "fedsim.screen",
+    "fedsim.grid_utils",
+    "fedsim.client_app",
+    "fedsim.messages",
+    "fedsim.training",
+    "fedsim.local",
+    "fedsim.algorithms",
+    "fedsim.attacks",
+    "fedsim.faults",
+    "fedsim.compression",
+    "fedsim.selection",
+    "fedsim.comm",
+    "fedsim.codecs",
+)
+START_UP = frozenset({"fedsim.grid_utils:discover"})
+FILE_LIMIT, FUNCTION_LIMIT = 600, 60
+
+
+def _on_round_path(name: str) -> bool:
+    module, _, qualified = name.partition(":")
+    on = any(module == m or module.startswith(m + ".") for m in ROUND_PATH)
+    return on and qualified.rpartition(".")[2] != "__init__" and name not in START_UP
+
+
+def long_files(root: Path = ROOT) -> dict[str, int]:
+    """The files of fedsim/ and strategies/ over FILE_LIMIT lines, with their lengths."""
+    out = {}
+    for path in layers.modules(root).values():
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > FILE_LIMIT:
+            out[str(path.relative_to(root))] = n
+    return out
+
+
+def long_round_functions(root: Path = ROOT) -> list[tuple[int, str]]:
+    """The functions on the round path over FUNCTION_LIMIT lines (lines, ``module:qualified name``)."""
+    every = layers.longest_functions(root, n=10**6)
+    return [(n, name) for n, name in every if n > FUNCTION_LIMIT and _on_round_path(name)]
+
+
+def test_no_file_of_fedsim_or_strategies_is_over_600_lines():
+    assert long_files() == {}, f"over {FILE_LIMIT} lines: {long_files()}"
+
+
+def test_no_function_on_the_round_path_is_over_60_lines():
+    assert long_round_functions() == [], f"over {FUNCTION_LIMIT} lines: {long_round_functions()}"
+
+
+def test_the_size_checks_name_a_long_file_and_a_long_round_function(tmp_path):
+    pkg = tmp_path / "fedsim"
+    (pkg / "engines").mkdir(parents=True)
+    (tmp_path / "strategies").mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engines" / "__init__.py").write_text("")
+    body = "    x = 1\n" * 60  # 61 lines with the def
+    (pkg / "engines" / "fast.py").write_text(
+        f"class G:\n    def step(self):\n    {body.replace(chr(10), chr(10) + '    ')}"
+    )
+    (pkg / "server.py").write_text(f"def __init__():\n{body}\ndef short():\n    pass\n")
+    (pkg / "cli.py").write_text(f"def main():\n{body}" + "# filler\n" * 540)
+    assert long_files(tmp_path) == {"fedsim/cli.py": 601}
+    assert long_round_functions(tmp_path) == [
+        (61, "fedsim.engines.fast:G.step")
+    ]  # cli and __init__: not on it

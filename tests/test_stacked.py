@@ -13,7 +13,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
-from fedsim import attacks, build, comm, keys, messages, seeds
+from fedsim import attacks, build, build_server, comm, keys, messages, seeds
 from fedsim.engines.vectorized import VectorizedGrid
 from fedsim.grid_utils import screen_replies
 from fedsim.messages import Cohort, array_record, device_mean
@@ -282,7 +282,7 @@ def test_a_garbled_reply_fails_alike_in_the_loop_on_both_engines(tmp_path, monke
 @pytest.mark.parametrize("name", BATCHED_FORM + ROUNDED_FORM + PER_CLIENT_ONLY)
 def test_which_strategies_take_the_cohort(name):
     cfg = compose_cfg("num_clients=6", *_overrides(name))
-    strategy = build.build_strategy(cfg, 4)
+    strategy = build_server.build_strategy(cfg, 4)
     assert base.takes_cohort(strategy) == (name.split()[0] not in ("feddyn", "scaffold"))
 
 
@@ -327,7 +327,7 @@ def test_each_aggregator_on_the_cohort_is_flowers_strategy(name):
     cfg = compose_cfg(
         "num_clients=8", *_overrides(name), *(["strategy.beta=0.25"] if "trimmed" in name else [])
     )
-    ours = build.build_strategy(cfg, 5)
+    ours = build_server.build_strategy(cfg, 5)
     cohort = _stacked(5, seed=11)
     got, got_metrics = ours.aggregate_cohort(1, cohort)
     want, want_metrics = _flower(name).aggregate_train(1, [_plain(r) for r in cohort.replies()])

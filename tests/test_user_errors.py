@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 from strategy_helpers import flower_kwargs
 
-from fedsim import build
+from fedsim import build, build_server
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError, RunError
 
@@ -122,7 +122,7 @@ def test_a_user_combine_returning_a_non_float_or_misshapen_model_is_refused_nami
     import mystrat
 
     strategy = mystrat.Bad(mode=mode, **flower_kwargs())
-    build.check_user_combine(strategy)
+    build_server.check_user_combine(strategy)
     models = [{"0.weight": np.ones((4, 2), np.float32), "0.bias": np.zeros(4, np.float32)}] * 2
     with pytest.raises(RunError, match=says) as err:
         strategy.combine(models, [1.0, 1.0])

@@ -10,6 +10,11 @@ fedsim's ClientApp applies them in order around every local training:
    the client's persistent state (:attr:`Reply.state`) when :meth:`ClientHalf.keeps_state` says so;
 4. for an evaluation message, :meth:`ClientHalf.eval_data` may choose the split (selection's loss probe).
 
+A batched engine (``fedsim.engines.vectorized``) trains a cohort as rows of stacked tensors and asks each half
+for its batched form: :meth:`ClientHalf.batched` (whether it runs on rows for this client), the train-config
+keys it reads (``keys``), :meth:`ClientHalf.labels` per client and :meth:`ClientHalf.on_rows` after training,
+whose default runs :meth:`ClientHalf.on_reply` on each row. A new half needs no edit to any engine.
+
 Each half acts only on messages that ask for it (their train-config keys). Client-side clipping (fedsim's
 ``clip-norm`` and Flower's ``clipping_norm``) and injected faults are always in the chain: a Flower strategy
 that is not fedsim's may ask for clipping, and faults come from the run's own ``faults`` section.
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,10 +54,72 @@ class Reply:
     state: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-class ClientHalf:
-    """The client half of a feature; every hook leaves things as they are unless a subclass overrides it."""
+@dataclass
+class Rows:
+    """The batched form of :class:`Reply`: a cohort's train replies being made, one row per client.
 
-    needs_start = False  # on_reply reads Reply.start (the global model the update is taken from)
+    ``model`` holds each trained parameter stacked ``(rows, *shape)`` on the cohort's device (edited in place);
+    ``start()`` the rows' global models stacked alike (made when first asked); per row, its instruction,
+    partition id, seed, fault rates and extra metrics (``metrics[i]``, as :attr:`Reply.metrics`).
+    """
+
+    model: dict[str, torch.Tensor]
+    starts: Any  # () -> dict[str, torch.Tensor]: the rows' start models, stacked
+    ins: list
+    partition_ids: list[int]
+    seeds: list[int]
+    faults: list
+    metrics: list[dict] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.metrics = self.metrics or [{} for _ in self.ins]
+        self._start: dict[str, torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ins)
+
+    def start(self) -> dict[str, torch.Tensor]:
+        """The rows' start models, ``(rows, *shape)`` by name."""
+        if self._start is None:
+            self._start = self.starts()
+        return self._start
+
+    def reply(self, i: int, with_start: bool = True) -> Reply:
+        """Row ``i`` as the :class:`Reply` the per-client path would make (its model a copy)."""
+        start = {n: t[i] for n, t in self.start().items()} if with_start else {}
+        model = {n: t[i].clone() for n, t in self.model.items()}
+        return Reply(
+            model, start, self.ins[i], self.partition_ids[i], self.seeds[i], self.faults[i], self.metrics[i]
+        )
+
+    def put(self, i: int, reply: Reply, half: object) -> None:
+        """Write ``reply`` (row ``i`` after ``half``'s ``on_reply``) back into the rows; ``ValueError`` when the
+        half changed the reply's form (names, shapes, dtypes), which rows cannot hold."""
+        for n, t in self.model.items():
+            got = reply.model.get(n)
+            if not isinstance(got, torch.Tensor) or got.shape != t.shape[1:] or got.dtype != t.dtype:
+                raise ValueError(f"client half {type(half).__name__} changed the reply's {n!r}: not batched")
+        if set(reply.model) != set(self.model):
+            raise ValueError(f"client half {type(half).__name__} changed the reply's arrays: not batched")
+        for n, t in self.model.items():
+            t[i].copy_(reply.model[n])
+        self.metrics[i] = reply.metrics
+
+
+class ClientHalf:
+    """The client half of a feature; every hook leaves things as they are unless a subclass overrides it.
+
+    Attributes
+    ----------
+    needs_start : bool
+        ``on_reply`` reads :attr:`Reply.start` (the global model the update is taken from).
+    keys : tuple of str
+        The train-config keys it reads: a batched engine trains a message with them batched (calling this half's
+        batched form) instead of sending it through the ClientApp as a key nobody claims.
+    """
+
+    needs_start = False
+    keys: tuple[str, ...] = ()
 
     def active(self, ins: Any) -> bool:
         """True when the train instruction ``ins`` asks for this half (its keys are in it)."""
@@ -74,31 +140,79 @@ class ClientHalf:
         """The split an evaluation message is answered on, or None for the validation split."""
         return None
 
+    def batched(self, ins: Any, task: Any) -> bool:
+        """True when this half, active for ``ins``, runs on a batched cohort's rows for the client of ``task``
+        (a ``fedsim.build.ClientTask``); otherwise the client trains through the ClientApp. Default: unless it
+        keeps the client's persistent state (rows carry none)."""
+        return not self.keeps_state(ins)
+
+    def on_rows(self, rows: Rows) -> None:
+        """The batched form of :meth:`on_reply` over a cohort's rows (``rows.model`` edited in place). Default:
+        :meth:`on_reply` on each row whose instruction asks for this half, written back; a half that changes the
+        reply's form (its arrays' names, shapes or dtypes) gives ``ValueError`` (the engine then trains the
+        clients one by one)."""
+        if type(self).on_reply is ClientHalf.on_reply:
+            return
+        for i in range(len(rows)):
+            if self.active(rows.ins[i]):
+                reply = rows.reply(i, self.needs_start)
+                self.on_reply(reply)
+                rows.put(i, reply, self)
+
 
 class ClientClipping(ClientHalf):
     """Clip the update ``model - start`` to L2 norm ``C`` (fedsim's ``clip-norm``, or Flower's ``clipping_norm``
     from Flower's client-side DP strategies) and report the norm before clipping and whether it clipped."""
 
     needs_start = True
+    keys = (keys.CLIP_NORM,)
 
     def active(self, ins: Any) -> bool:
         return clip_norm(ins) is not None
 
+    def on_rows(self, rows: Rows) -> None:
+        """As :meth:`on_reply` on each row that asks for it, on the stack: the norms are one float64 reduction
+        per parameter over the rows (equal to the per-row sums to float64 rounding); the clipped rows become
+        ``start + (y - start) * (C / norm)`` in the parameters' dtype."""
+        bounds = [clip_norm(ins) for ins in rows.ins]
+        if all(b is None for b in bounds):
+            return
+        k, starts = len(rows), rows.start()
+        device = next(iter(rows.model.values())).device
+        deltas = {n: rows.model[n] - starts[n] for n in starts if torch.is_floating_point(starts[n])}
+        squares = torch.zeros(k, dtype=torch.float64, device=device)
+        for d in deltas.values():
+            squares += d.double().square().reshape(k, -1).sum(1)
+        norms = squares.sqrt().tolist()
+        clipped = [b is not None and norm > b and norm != 0.0 for b, norm in zip(bounds, norms)]
+        if any(clipped):
+            idx = torch.tensor([i for i, c in enumerate(clipped) if c], device=device)
+            scale = [bounds[i] / norms[i] for i in idx.tolist()]
+            for n, d in deltas.items():
+                factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
+                rows.model[n].index_copy_(
+                    0, idx, starts[n].index_select(0, idx) + d.index_select(0, idx) * factor
+                )
+        for i, (b, norm, c) in enumerate(zip(bounds, norms, clipped)):
+            if b is not None:  # the algorithm's metrics are not sent (as on_reply)
+                rows.metrics[i] = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
+
     def on_reply(self, reply: Reply) -> None:
-        bound = clip_norm(reply.ins)
+        """:meth:`on_rows` on the reply as one row (one definition of the clipping for both forms)."""
+        floats = [k for k in reply.start if torch.is_floating_point(reply.start[k])]
         with torch.no_grad():
-            deltas = {
-                k: reply.model[k] - reply.start[k]
-                for k in reply.start
-                if torch.is_floating_point(reply.start[k])
-            }
-            norm = math.sqrt(sum(float((d.double() ** 2).sum()) for d in deltas.values()))
-            clipped = norm > bound and norm != 0.0
-            if clipped:
-                scale = bound / norm
-                for k, d in deltas.items():
-                    reply.model[k] = reply.start[k] + d * scale
-        reply.metrics = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(clipped)}  # the algorithm's are not sent
+            rows = Rows(
+                {k: reply.model[k].unsqueeze(0).clone() for k in floats},  # the model's own storage stays
+                lambda: {k: reply.start[k].unsqueeze(0) for k in floats},
+                [reply.ins],
+                [reply.partition_id],
+                [reply.seed],
+                [reply.faults],
+            )
+            self.on_rows(rows)
+        for k in floats:
+            reply.model[k] = rows.model[k][0]
+        reply.metrics = rows.metrics[0]
 
 
 def clip_norm(ins: Any) -> float | None:
@@ -120,6 +234,13 @@ class InjectedFaults(ClientHalf):
     def active(self, ins: Any) -> bool:
         return True
 
+    def batched(self, ins: Any, task: Any) -> bool:
+        """Batched only for a client without fault rates: a fault fails or garbles one client's reply."""
+        return task.faults is None
+
+    def on_rows(self, rows: Rows) -> None:
+        """Nothing: rows are batched only without fault rates (:meth:`batched`)."""
+
     def on_reply(self, reply: Reply) -> None:
         if reply.faults is None:
             return
@@ -140,7 +261,10 @@ class InjectedFaults(ClientHalf):
 
 
 class LabelFlip(ClientHalf):
-    """``attack=label_flip``'s client half: the attackers named in the train config train on ``C - 1 - y``."""
+    """``attack=label_flip``'s client half: the attackers named in the train config train on ``C - 1 - y``
+    (batched too: the engine asks every client's labels)."""
+
+    keys = (keys.LABEL_FLIP,)
 
     def active(self, ins: Any) -> bool:
         return bool(ins.unhandled.get(keys.LABEL_FLIP))
@@ -214,8 +338,51 @@ def _chain(paths: tuple[str, ...]) -> tuple[ClientHalf, ...]:
 def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
     """The client halves of a run spec, in the order they apply: client-side clipping, injected faults, then
     those its features name (``spec["halves"]``, written from the features' ``client_half``)."""
-    spec = json.loads(spec) if isinstance(spec, str) else spec
+    if isinstance(spec, str):
+        return _chain_of_json(spec)
     return _chain(ALWAYS + tuple(spec.get("halves") or ()))
+
+
+@functools.lru_cache(maxsize=64)
+def _chain_of_json(spec: str) -> tuple[ClientHalf, ...]:
+    """:func:`chain` of a JSON run spec, parsed once per spec (every message of a run carries the same)."""
+    return chain(json.loads(spec))
+
+
+def run_on_rows(half: ClientHalf, rows: Rows) -> None:
+    """``half.on_rows(rows)``, unless a subclass overrides ``on_reply`` below the class whose ``on_rows`` it
+    inherits (a user's subclass of a shipped half): then its ``on_reply`` on each row (the default form), so
+    the override counts on every engine."""
+    mro = type(half).__mro__
+    rows_owner = next(c for c in mro if "on_rows" in vars(c))
+    reply_owner = next(c for c in mro if "on_reply" in vars(c))
+    if issubclass(rows_owner, reply_owner):
+        half.on_rows(rows)
+    else:
+        ClientHalf.on_rows(half, rows)
+
+
+@dataclass(frozen=True)
+class RowHalves:
+    """What a batched engine asks of the client halves one train instruction names: those it asks for
+    (``active``, in order: their ``on_rows`` after training), those to ask per client (``ask``: their
+    :meth:`ClientHalf.batched` reads the client's task), those that give labels (``relabel``), and the first
+    that runs on no row of this instruction (``refused``: the clients train through the ClientApp)."""
+
+    active: tuple[ClientHalf, ...] = ()
+    ask: tuple[ClientHalf, ...] = ()
+    relabel: tuple[ClientHalf, ...] = ()
+    refused: str | None = None
+
+
+def row_halves(spec: str, ins: Any) -> RowHalves:
+    """The :class:`RowHalves` of the halves of ``spec`` that ``ins`` asks for; a half that keeps ``batched``'s
+    default (it does not read the task) is asked once, here."""
+    active = tuple(h for h in chain(spec) if h.active(ins))
+    ask = tuple(h for h in active if type(h).batched is not ClientHalf.batched)
+    refused = next((type(h).__name__ for h in active if h not in ask and not h.batched(ins, None)), None)
+    relabel = tuple(h for h in active if type(h).labels is not ClientHalf.labels)
+    return RowHalves(active, ask, relabel, refused)
 
 
 @dataclass

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from fedsim.training import LocalTraining, batch_size_for, num_local_steps
+
+if TYPE_CHECKING:
+    from fedsim.engines.vectorized import _Client
 
 
 class _Steps:
@@ -124,3 +128,44 @@ def schedule(n: int, cfg: LocalTraining, gen: torch.Generator, max_steps: int | 
     """Example indices of each local step, drawn as ``fedsim.training.train_local`` draws them: one
     ``randperm`` per pass over the data, split into batches, as many passes as the steps need."""
     return _draw(n, *_layout(n, cfg, max_steps), gen)
+
+
+def cohort_batches(
+    members: list[_Client], steps: int, width: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cohort's data in one tensor, and the gather index and loss weight of every (step, client, slot):
+    ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``.
+
+    Each client's step, slot and weight of every example come from its step lengths (:class:`_Steps`, computed
+    once per lengths); a round adds its batch order, and the index is written with one numpy scatter. When the
+    steps take fewer examples than the clients hold (a few steps on large partitions, as in distributed SGD),
+    ``x`` holds just the rows they take, in step order, instead of every client's whole partition."""
+    k = len(members)
+    infos = [_info(c.batches) for c in members]
+    counts = np.fromiter((i.total for i in infos), np.int64, k)
+    sizes = np.fromiter((c.task.x_train.shape[0] for c in members), np.int64, k)
+    where = (np.concatenate([i.step for i in infos]) * k + np.repeat(np.arange(k), counts)) * width
+    where += np.concatenate([i.slot for i in infos])
+    gather = np.zeros(steps * k * width, dtype=np.int64)
+    if counts.sum() < sizes.sum():  # the rows the steps take: example e of the cohort's steps is row e
+        rows = [(c.task, _order(c.batches)) for c in members]
+        x = torch.cat([t.x_train.index_select(0, r.to(t.x_train.device)) for t, r in rows])
+        y = torch.cat(
+            [_labels(c).index_select(0, r.to(t.y_train.device)) for c, (t, r) in zip(members, rows)]
+        )
+        gather[where] = np.arange(int(counts.sum()), dtype=np.int64)
+    else:
+        x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
+        y = torch.cat([_labels(c) for c in members])
+        order = torch.cat([t for c in members for t in _parts(c.batches)]).cpu().numpy()
+        gather[where] = order + np.repeat(np.cumsum(sizes) - sizes, counts)  # into the cohort's data
+    weight = np.zeros(steps * k * width, dtype=np.float64)
+    weight[where] = np.concatenate([i.weight for i in infos])
+    shape = (steps, k, width)
+    gather_t = torch.from_numpy(gather).view(shape).to(device)
+    return x, y, gather_t, torch.from_numpy(weight).view(shape).to(device=device, dtype=x.dtype)
+
+
+def _labels(c: _Client) -> torch.Tensor:
+    """The labels client ``c`` trains on (its client halves', else its task's)."""
+    return c.task.y_train if c.y is None else c.y

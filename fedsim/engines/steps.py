@@ -1,5 +1,5 @@
 """The batched SGD step of the vectorized engine (``torch.optim.SGD`` written out for stacked parameters, FedProx's
-anchor included), its CUDA graph, and client-side clipping of the stacked rows."""
+anchor included) and its CUDA graph."""
 
 from __future__ import annotations
 
@@ -7,43 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedsim import keys
-
 if TYPE_CHECKING:
     from fedsim.engines.vectorized import _Client
-
-
-def clip_rows(members: list[_Client], names: list[str], params: dict[str, torch.Tensor]) -> list[dict]:
-    """Client-side clipping (``clip-norm``) of the stacked rows in place, as the ClientApp's
-    ``fedsim.algorithms.halves.ClientClipping`` clips one reply: a row whose update ``y - start`` has an L2 norm
-    (over every parameter, in float64) above its client's bound ``C`` becomes ``start + (y - start) * (C /
-    norm)`` in the parameters' dtype; the others stay as trained. Returns each row's extra metrics: the norm
-    before clipping and whether it clipped, for the rows that were asked to clip (``{}`` for the others).
-
-    The norms are one reduction per parameter over the stack, so they agree with the ClientApp's per-tensor
-    sums to float64 rounding."""
-    bounds = [c.ins.clip_norm if c.ins is not None else None for c in members]
-    if all(b is None for b in bounds):
-        return [{} for _ in members]
-    k = len(members)
-    device = next(iter(params.values())).device
-    starts = _stack_starts(members, names, device)
-    deltas = {n: params[n] - starts[n] for n in names}
-    squares = torch.zeros(k, dtype=torch.float64, device=device)
-    for d in deltas.values():
-        squares += d.double().square().reshape(k, -1).sum(1)
-    norms = squares.sqrt().tolist()
-    clipped = [b is not None and norm > b and norm != 0.0 for b, norm in zip(bounds, norms)]
-    if any(clipped):
-        rows = torch.tensor([i for i, c in enumerate(clipped) if c], device=device)
-        scale = [bounds[i] / norms[i] for i in rows.tolist()]
-        for n, d in deltas.items():
-            factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
-            params[n].index_copy_(0, rows, starts[n].index_select(0, rows) + d.index_select(0, rows) * factor)
-    return [
-        {} if b is None else {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
-        for b, norm, c in zip(bounds, norms, clipped)
-    ]
 
 
 def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:

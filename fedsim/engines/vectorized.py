@@ -16,7 +16,8 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
    one backward for the cohort (clients are independent, so the gradient of the summed loss with respect to
    the stacked parameters is each client's own gradient), then the SGD update of ``torch.optim.SGD``
    written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``; after the last step,
-   client-side clipping (``clip-norm``) of the rows that ask for it (:func:`clip_rows`);
+   the client halves the messages ask for, on the rows (``ClientHalf.on_rows``: client-side clipping, a user's
+   half; each half also gives every client's labels, e.g. label flipping);
 4. reply: each client's full weights and the ClientApp's metrics keys, kept stacked on the device
    (``fedsim.messages.Cohort``): ``send_and_receive_cohort`` hands them to the server loop as the round's
    cohort, which every aggregator and wrapper takes as it is; every other caller
@@ -25,7 +26,9 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
 Supported: SGD, momentum, Nesterov, weight decay, ``local_epochs``/``local_steps``, any ``batch_size``
 (0 = full batch), ``proximal-mu``. Run through the ordinary ClientApp (sequentially in this process)
 instead, with one log line per reason: non-train messages (query, evaluate), Adam and averaged SGD,
-train-config keys it does not handle (``fedsim.messages``), injected faults, models with buffers (BatchNorm), dropout, frozen or tied
+train-config keys that neither the batched step nor a client half of the run claims (``ClientHalf.keys``), a
+client half that says it does not run on this client's row (``ClientHalf.batched``: injected faults, the
+halves that keep client state such as compression's), models with buffers (BatchNorm), dropout, frozen or tied
 parameters, and, by default, convolutional models on the CPU that are not a plain ``nn.Sequential`` of
 conv/pool/linear layers: there vmap turns ``conv2d`` into a grouped convolution that measured 1.2-3.5x slower
 than per-client convolutions (``engine.vmap_conv_cpu=true`` forces it). Sequential conv nets on the CPU are
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 import os
 import time
@@ -48,11 +50,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MessageType
+from flwr.app import Message, MessageType
 from torch import nn
 from torch.func import functional_call, vmap
 
 from fedsim import keys
+from fedsim.algorithms.halves import ClientHalf, RowHalves, Rows, chain, row_halves, run_on_rows
 from fedsim.build import ClientTask, client_task
 from fedsim.engines import dense, grouped
 from fedsim.engines.memory import (  # noqa: F401
@@ -75,9 +78,10 @@ from fedsim.engines.schedule import (  # noqa: F401  (tests read them here)
     _parts,
     _Steps,
     _steps,
+    cohort_batches,
     schedule,
 )
-from fedsim.engines.steps import _capacity, _sgd_step, _stack_starts, _StepGraph, clip_rows
+from fedsim.engines.steps import _capacity, _sgd_step, _stack_starts, _StepGraph
 from fedsim.messages import (
     DRAW_INDEX_KEYS,
     Cohort,
@@ -94,14 +98,11 @@ log = logging.getLogger("fedsim")
 
 VECTOR_OPTIMIZERS = ("sgd", "momentum", "nesterov")
 PLANS = 4096  # clients' plans kept (as many as fedsim.build.client_task keeps tasks); then they start again
-# The train-config keys this engine implements. A message with any other key runs through the ClientApp (one
-# INFO line the first time): a key fedsim does not know, and one a user taught the parser
-# (``fedsim.messages.parse_train``) but not this engine, so no client-side setting is dropped silently.
-IMPLEMENTS = frozenset({keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, keys.CLIP_NORM, *DRAW_INDEX_KEYS})
-# Client halves (fedsim.algorithms.halves) a run spec may name that this engine honours: they act only on a
-# train-config key it does not implement (such a message runs through the ClientApp), or on evaluations. A run
-# whose spec names any other half trains through the ClientApp.
-HALVES = frozenset(f"fedsim.algorithms.halves.{name}" for name in ("Compress", "LabelFlip", "ProbeTrain"))
+# The train-config keys the batched step itself runs: the run spec, the step limit, the draw index and the base
+# client algorithm's proximal term. The run's client halves claim theirs (``ClientHalf.keys``); a message with a
+# key nobody claims runs through the ClientApp (one INFO line the first time), so no client-side setting is
+# dropped silently.
+STEP_KEYS = frozenset({keys.RUN_SPEC, keys.PROXIMAL_MU, keys.MAX_STEPS, *DRAW_INDEX_KEYS})
 
 
 def _declares_batched(algorithm: object) -> bool:
@@ -111,13 +112,13 @@ def _declares_batched(algorithm: object) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _unknown_halves(spec: str) -> tuple[str, ...]:
-    """The client halves ``spec`` names that this engine does not implement."""
+def _claimed(spec: str) -> frozenset[str] | None:
+    """The train-config keys the batched path runs under ``spec``: the step's and its client halves' (None when
+    the spec names a half that cannot be built: the ClientApp replies with the error)."""
     try:
-        named = json.loads(spec).get("halves") or ()
-    except (ValueError, AttributeError):
-        return ()
-    return tuple(h for h in named if h not in HALVES)
+        return STEP_KEYS.union(*(h.keys for h in chain(spec)))
+    except (ValueError, TypeError, AttributeError):
+        return None
 
 
 @dataclass
@@ -131,6 +132,8 @@ class _Client:
     proximal_mu: float = 0.0
     ins: TrainInstruction | None = None
     plan: _Plan | None = None  # what is the same every round (the engine's cache)
+    halves: RowHalves = RowHalves()  # the client halves its instruction asks for (fedsim.algorithms.halves)
+    y: torch.Tensor | None = None  # the labels it trains on (its halves' ``labels``; None: its task's)
 
 
 @dataclass(eq=False)
@@ -276,13 +279,17 @@ class VectorizedGrid(PoolGrid):
         entry = shared.get(id(content))  # (both objects are kept in ``shared``: their ids stay unique)
         if entry is None:
             entry = shared[id(content)] = (content, *self._instruction(content))
-        _, arrays, ins, extra = entry
+        _, arrays, ins, extra, halves = entry
         if ins is None:
             return None
         task, plan = self._plan(ins, self.partition_of(meta.dst_node_id))
         if plan is None:
             return None
         reason = plan.algorithm or ("extra arrays in the train message" if extra else plan.reason)
+        reason = reason or (halves.refused and f"client half {halves.refused}")
+        for half in halves.ask:  # a half that says per client whether it runs on the client's row
+            if reason is None and not half.batched(ins, task):
+                reason = f"client half {type(half).__name__}"
         if reason is not None:
             self._skip(reason)
             return None
@@ -297,7 +304,10 @@ class VectorizedGrid(PoolGrid):
             fit = fits[id(model)] = shapes == _model_info(model)[2]
         if not fit:
             return None  # the ClientApp's strict load reports the mismatch
-        return _Client(msg, task, start, proximal_mu=ins.proximal_mu, ins=ins, plan=plan)
+        y = task.y_train
+        for half in halves.relabel:
+            y = half.labels(ins, task.partition_id, y, task.num_classes)
+        return _Client(msg, task, start, proximal_mu=ins.proximal_mu, ins=ins, plan=plan, halves=halves, y=y)
 
     def _plan(self, ins: TrainInstruction, pid: int) -> tuple[ClientTask | None, _Plan | None]:
         """Client ``pid``'s task and plan under ``ins`` (None when its task cannot be built: the ClientApp
@@ -313,8 +323,6 @@ class VectorizedGrid(PoolGrid):
         plan = _Plan(weakref.ref(task))
         if task.algorithm is not None and not _declares_batched(task.algorithm):
             plan.algorithm = f"client algorithm {type(task.algorithm).__name__}"
-        elif task.faults is not None:
-            plan.reason = "injected faults"
         elif task.local.optimizer not in VECTOR_OPTIMIZERS:
             plan.reason = f"optimizer {task.local.optimizer} (batched: {', '.join(VECTOR_OPTIMIZERS)})"
         else:
@@ -336,23 +344,23 @@ class VectorizedGrid(PoolGrid):
         self._plans[key] = plan
         return task, plan
 
-    def _instruction(self, content) -> tuple[ArrayRecord | None, TrainInstruction | None, bool]:
-        """A train message's start model, instruction (None when no client of it can be trained batched), and
-        whether it holds arrays besides the model."""
+    def _instruction(self, content) -> tuple:
+        """A train message's start model, instruction (None when no client of it can be trained batched),
+        whether it holds arrays besides the model, and the client halves it asks for."""
         cfg = content.get(keys.CONFIG)
         arrays = content.get(keys.ARRAYS)
         if cfg is None or arrays is None or not isinstance(cfg.get(keys.RUN_SPEC), str):
-            return None, None, False
+            return None, None, False, ()
+        claimed = _claimed(cfg[keys.RUN_SPEC])
+        if claimed is None:
+            return None, None, False, ()
         ins = parse_train(cfg)
-        extra = set(cfg.keys()) - IMPLEMENTS
-        if extra:  # unknown to fedsim, or known to the parser (a user's setting) but not implemented here
-            self._skip(f"train config keys it does not implement: {', '.join(sorted(extra))}")
-            return None, None, False
-        halves = _unknown_halves(cfg[keys.RUN_SPEC])
-        if halves:  # a feature's client half of its own: the ClientApp applies it
-            self._skip(f"client halves it does not implement: {', '.join(halves)}")
-            return None, None, False
-        return arrays, ins, any(name != keys.ARRAYS for name in content.array_records)
+        extra = set(cfg.keys()) - claimed
+        if extra:  # unknown to fedsim, or a user's setting that no client half of the run claims
+            self._skip(f"train config keys no batched step or client half claims: {', '.join(sorted(extra))}")
+            return None, None, False, ()
+        halves = row_halves(cfg[keys.RUN_SPEC], ins)
+        return arrays, ins, any(name != keys.ARRAYS for name in content.array_records), halves
 
     def _train(self, clients: list[_Client], local: LocalTraining, device: str, mu: float) -> list[Cohort]:
         """Train ``clients`` (same model, optimiser and mu) batched; their replies, stacked, a part per batch."""
@@ -450,47 +458,13 @@ def _dense_step(model: nn.Module, task) -> dense.DenseStep | None:
     return _DENSE[key]
 
 
-def cohort_batches(
-    members: list[_Client], steps: int, width: int, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The cohort's data in one tensor, and the gather index and loss weight of every (step, client, slot):
-    ``x`` ``(examples, *input)``, ``y``, ``gather`` ``(steps, clients, width)`` into them, ``weight``.
-
-    Each client's step, slot and weight of every example come from its step lengths (:class:`_Steps`, computed
-    once per lengths); a round adds its batch order, and the index is written with one numpy scatter. When the
-    steps take fewer examples than the clients hold (a few steps on large partitions, as in distributed SGD),
-    ``x`` holds just the rows they take, in step order, instead of every client's whole partition."""
-    k = len(members)
-    infos = [_info(c.batches) for c in members]
-    counts = np.fromiter((i.total for i in infos), np.int64, k)
-    sizes = np.fromiter((c.task.x_train.shape[0] for c in members), np.int64, k)
-    where = (np.concatenate([i.step for i in infos]) * k + np.repeat(np.arange(k), counts)) * width
-    where += np.concatenate([i.slot for i in infos])
-    gather = np.zeros(steps * k * width, dtype=np.int64)
-    if counts.sum() < sizes.sum():  # the rows the steps take: example e of the cohort's steps is row e
-        rows = [(c.task, _order(c.batches)) for c in members]
-        x = torch.cat([t.x_train.index_select(0, r.to(t.x_train.device)) for t, r in rows])
-        y = torch.cat([t.y_train.index_select(0, r.to(t.y_train.device)) for t, r in rows])
-        gather[where] = np.arange(int(counts.sum()), dtype=np.int64)
-    else:
-        x = torch.cat([c.task.x_train for c in members])  # (examples, *input)
-        y = torch.cat([c.task.y_train for c in members])
-        order = torch.cat([t for c in members for t in _parts(c.batches)]).cpu().numpy()
-        gather[where] = order + np.repeat(np.cumsum(sizes) - sizes, counts)  # into the cohort's data
-    weight = np.zeros(steps * k * width, dtype=np.float64)
-    weight[where] = np.concatenate([i.weight for i in infos])
-    shape = (steps, k, width)
-    gather_t = torch.from_numpy(gather).view(shape).to(device)
-    return x, y, gather_t, torch.from_numpy(weight).view(shape).to(device=device, dtype=x.dtype)
-
-
 def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu: float) -> Cohort:
     """Batched local training of clients sorted by step count (descending); their replies, stacked (rows in
     ``members`` order, models on ``device``)."""
     names = _names(members[0].task.model)
     params, losses = train_stacked(members, local, device, mu)
     params = {n: params[n].detach() for n in names}
-    clipping = clip_rows(members, names, params)
+    extra = _apply_halves(members, names, params)
     metrics = [
         train_metrics(
             num_examples=int(c.task.x_train.shape[0]),
@@ -498,11 +472,33 @@ def _train_bucket(members: list[_Client], local: LocalTraining, device: str, mu:
             partition_id=c.task.partition_id,
             steps=len(c.batches),
             examples_processed=_info(c.batches).total,
-            extra=clipping[i],
+            extra=extra[i],
         )
         for i, c in enumerate(members)
     ]
     return Cohort([c.msg for c in members], params, metrics)
+
+
+def _apply_halves(members: list[_Client], names: list[str], params: dict[str, torch.Tensor]) -> list[dict]:
+    """Each client half the members ask for, in the chain's order, on the trained rows (``ClientHalf.on_rows``,
+    ``params`` edited in place); each row's extra reply metrics."""
+    halves: list[ClientHalf] = []
+    for group in {id(c.halves): c.halves.active for c in members}.values():
+        halves.extend(h for h in group if h not in halves)
+    if not halves:
+        return [{} for _ in members]
+    device = next(iter(params.values())).device
+    rows = Rows(
+        params,
+        lambda: _stack_starts(members, names, device),
+        [c.ins for c in members],
+        [c.task.partition_id for c in members],
+        [c.task.seed for c in members],
+        [c.task.faults for c in members],
+    )
+    for half in halves:
+        run_on_rows(half, rows)
+    return rows.metrics
 
 
 def _by_id(stacked: Cohort) -> dict[str, Message]:
@@ -518,6 +514,21 @@ CUDA_GRAPHS = True
 # yet run on a GPU (bench/gpu_check.py agree-mlp-graph checks it); off until it has been.
 CUDA_GRAPHS_DENSE = False
 _GRAPHS: dict[tuple, _StepGraph | None] = {}  # None: capture failed for that key, eager from then on
+
+
+def _step_graph(key: tuple, sgd, params, anchor, x, y, capture: bool) -> _StepGraph | None:
+    """The static-buffer step of ``key`` (captured as a CUDA graph when ``capture``), made once; None when its
+    capture failed (the eager steps from then on)."""
+    if key not in _GRAPHS:
+        if len(_GRAPHS) >= 16:
+            _GRAPHS.clear()
+        k_all, width = key[2], key[3]
+        try:
+            _GRAPHS[key] = _StepGraph(sgd, params, anchor, k_all, width, x, y, capture=capture)
+        except (RuntimeError, NotImplementedError) as exc:
+            log.warning("vectorized engine: CUDA graph capture failed (%s); eager batched steps", exc)
+            _GRAPHS[key] = None
+    return _GRAPHS[key]
 
 
 def train_stacked(
@@ -567,16 +578,9 @@ def train_stacked(
             mu,
             device,
         )
-        if key not in _GRAPHS:
-            if len(_GRAPHS) >= 16:
-                _GRAPHS.clear()
-            try:
-                _GRAPHS[key] = _StepGraph(sgd, params, anchor, k_all, width, x, y, capture=cuda)
-            except (RuntimeError, NotImplementedError) as exc:
-                log.warning("vectorized engine: CUDA graph capture failed (%s); eager batched steps", exc)
-                _GRAPHS[key] = None
-        if _GRAPHS[key] is not None:
-            return _GRAPHS[key].run(params, anchor, x, y, gather, weight)
+        found = _step_graph(key, sgd, params, anchor, x, y, cuda)
+        if found is not None:
+            return found.run(params, anchor, x, y, gather, weight)
     bufs = {n: torch.zeros_like(p) for n, p in params.items()} if local.optimizer != "sgd" else {}
     loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
     rows = x.shape[1:]
