@@ -205,15 +205,17 @@ def test_the_command_ends_without_the_interpreters_last_collection(tmp_path):
 
 def test_the_command_composes_its_config_once_for_both_checks(tmp_path, monkeypatch):
     """The unknown-key check keeps the config it composed; the run folder is settled from it, not a new one."""
-    from fedsim import cli
+    from fedsim import cli, run_folder
     from fedsim.recorder import unlock_run_folder
 
-    monkeypatch.setattr(cli, "RUN_FOLDER", {})
-    monkeypatch.setattr(cli, "COMPOSED", {})
+    composed, folder = {}, {}
+    for module in (cli, run_folder):  # the command's and the run folder's module share the two
+        monkeypatch.setattr(module, "RUN_FOLDER", folder)
+        monkeypatch.setattr(module, "COMPOSED", composed)
     argv = ["num_rounds=2", f"hydra.run.dir={tmp_path / 'run'}"]
     assert cli.unknown_key(argv) is None and not cli.COMPOSED  # the Python API's check keeps nothing
     assert cli.unknown_key(argv, remember=True) is None and tuple(argv) in cli.COMPOSED
-    monkeypatch.setattr(cli, "compose", lambda *a, **k: pytest.fail("composed a second time"))
+    monkeypatch.setattr(run_folder, "compose", lambda *a, **k: pytest.fail("composed a second time"))
     try:
         assert cli.prepare_folders(argv) == []  # an explicit folder: nothing to add
         assert cli.RUN_FOLDER["path"] == tmp_path / "run"

@@ -1772,3 +1772,23 @@ def test_a_supernode_whose_connection_ends_exits_nonzero_with_one_line(tmp_path)
     ours = [ln for ln in done.stderr.splitlines() if ln.startswith("fedsim SuperNode")]
     assert len(ours) == 1 and "connection to the SuperLink ended" in ours[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_supernodes_reconnect_backoff_is_capped(monkeypatch):
+    """A node back from a cut link asks again within ``--retry-max-delay`` (Flower's own backoff grows to 20 s)."""
+    import itertools
+
+    from flwr.supercore.retry import grpc_retry, http_retry
+
+    from fedsim.deploy import node
+
+    for module in (grpc_retry, http_retry):
+        monkeypatch.setattr(module, "MAX_RETRY_DELAY", module.MAX_RETRY_DELAY)  # restored after the test
+    flower = list(itertools.islice(grpc_retry.make_simple_grpc_retry_invoker().wait_gen_factory(), 8))
+    assert max(flower) == 20  # what Flower 1.42 does on its own
+    node.cap_retry_delay(node.RETRY_MAX_DELAY)
+    for make in (grpc_retry.make_simple_grpc_retry_invoker, http_retry.make_simple_http_retry_invoker):
+        waits = list(itertools.islice(make().wait_gen_factory(), 8))
+        assert waits[:3] == [1, 2, 4] and max(waits) == node.RETRY_MAX_DELAY == 4.0, waits
+    with pytest.raises(SystemExit):
+        node.main(["--retry-max-delay", "0", "--", "--insecure"])

@@ -8,6 +8,11 @@ Here a return of ``flower_supernode()`` ends the process with one line and exit 
 ``EXIT_CONNECTION_LOST``; whoever started it (``python -m fedsim.deploy supernode``, ``local``, a service
 manager) sees it exit and can start it again.
 
+**Reconnecting.** Flower retries a refused or dropped connection with exponential backoff up to 20 s between
+tries, so a node whose link comes back waits up to 20 s more, several rounds of a small federation. Here the
+backoff is capped at ``--retry-max-delay`` (default ``RETRY_MAX_DELAY``, 4 s): a node back from a cut link asks
+again within 4 s, at the cost of one connection attempt every 4 s while the SuperLink is unreachable.
+
 Flower 1.42's SuperNode loop (``flwr.supernode.start_client_internal``) sleeps 3 s whenever a pull from the
 SuperLink brings no message, and 0.5 s at a time while it waits for its ClientApp's reply. A round's next
 message therefore waits up to 3 s on every node: with three local nodes and a small model that is most of a
@@ -27,9 +32,10 @@ import os
 import sys
 import time as _time
 
-__all__ = ["EXIT_CONNECTION_LOST", "FLOWER_IDLE_POLL", "ScaledSleep", "main"]
+__all__ = ["EXIT_CONNECTION_LOST", "FLOWER_IDLE_POLL", "RETRY_MAX_DELAY", "ScaledSleep", "main"]
 
 FLOWER_IDLE_POLL = 3.0  # seconds: the idle sleep of Flower 1.42's SuperNode loop
+RETRY_MAX_DELAY = 4.0  # seconds: the longest wait between two connection attempts (Flower's own: 20)
 EXIT_CONNECTION_LOST = 75  # the SuperNode's connection to the SuperLink ended (EX_TEMPFAIL: start it again)
 
 
@@ -49,10 +55,18 @@ class ScaledSleep:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m fedsim.deploy.node", description=__doc__.split("\n\n")[0])
     p.add_argument("--poll", type=float, default=FLOWER_IDLE_POLL, help="idle poll in seconds (Flower's: 3)")
+    p.add_argument(
+        "--retry-max-delay",
+        type=float,
+        default=RETRY_MAX_DELAY,
+        help=f"longest wait between connection attempts in seconds (default {RETRY_MAX_DELAY:g}; Flower's: 20)",
+    )
     p.add_argument("supernode_args", nargs=argparse.REMAINDER, help="-- then flower-supernode's arguments")
     args = p.parse_args(argv)
     if not 0.01 <= args.poll <= 60:
         p.error(f"--poll={args.poll} is not allowed: expected seconds in [0.01, 60]")
+    if not 0.1 <= args.retry_max_delay <= 600:
+        p.error(f"--retry-max-delay={args.retry_max_delay} is not allowed: expected seconds in [0.1, 600]")
     rest = args.supernode_args[1:] if args.supernode_args[:1] == ["--"] else args.supernode_args
     import importlib
 
@@ -62,9 +76,19 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.poll != FLOWER_IDLE_POLL:
         loop.time = ScaledSleep(args.poll / FLOWER_IDLE_POLL)
+    cap_retry_delay(args.retry_max_delay)
     sys.argv = ["flower-supernode", *rest]
     flower_supernode()  # returns only when its connection ended (Ctrl-C and SIGTERM exit inside it)
     lost()
+
+
+def cap_retry_delay(seconds: float) -> None:
+    """Cap the backoff of Flower's connection retries (gRPC and REST) at ``seconds``: their retry invokers read
+    the module constant ``MAX_RETRY_DELAY`` each time they start a backoff."""
+    from flwr.supercore.retry import grpc_retry, http_retry
+
+    for module in (grpc_retry, http_retry):
+        module.MAX_RETRY_DELAY = seconds
 
 
 def lost() -> None:
