@@ -210,8 +210,8 @@ def test_faulty_links_and_a_30_s_cut(fed):
 
     While the link is cut the SuperLink still lists node 2 as connected (Flower drops a node after about 60 s
     without heartbeats), so its rounds are recorded as ``timeout`` (no reply in time) and replies.jsonl names
-    the node in a ``timeout:`` line. Flower's SuperNode retries a refused connection with a growing backoff (up
-    to about 20 s between tries); the tasks queued for it during the cut expire (fedsim's ServerApp gives them
+    the node in a ``timeout:`` line. Flower's SuperNode retries a refused connection with a growing backoff, which
+    fedsim.deploy.node caps at 4 s (Flower's own: 20 s, often two rounds here); the tasks queued for it during the cut expire (fedsim's ServerApp gives them
     a TTL of round_timeout + 5 s), so once back it takes the current round's task.
     """
     cut_node, rounds = 2, 7
