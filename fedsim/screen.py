@@ -82,7 +82,7 @@ def screen_cohort(cohort, reference: ArrayRecord, partitions: Mapping[int, int] 
     finite, nodes = _finite_rows(cohort), cohort.node_ids
     keep, failures = [], []
     for i, (node, metrics) in enumerate(zip(nodes, cohort.metrics)):
-        problem = _row_problem(f"node {node}", metrics, finite[i], partitions)
+        problem = _row_problem(node, metrics, finite[i], partitions)
         if problem is None:
             keep.append(i)
         else:
@@ -99,19 +99,19 @@ def screen_cohort(cohort, reference: ArrayRecord, partitions: Mapping[int, int] 
 _ROW_RECORDS = ((keys.ARRAYS, "ArrayRecord"), (keys.METRICS, "MetricRecord"))
 
 
-def _row_problem(node: str, metrics: Mapping, finite: bool, partitions: Mapping[int, int] | None):
-    """Why one row of a batched cohort fails: what :func:`screen_replies` says of its reply, or None."""
-    number = int(node.split()[1])
+def _row_problem(number: int, metrics: Mapping, finite: bool, partitions: Mapping[int, int] | None):
+    """Why the row of node ``number`` in a batched cohort fails: what :func:`screen_replies` says of its reply,
+    or None."""
     if partitions and number not in partitions:
-        return "malformed", f"reply from {node}, which is not one of the run's clients"
-    problem = check_metrics(node, metrics, partitions.get(number) if partitions else None)
+        return "malformed", f"reply from node {number}, which is not one of the run's clients"
+    problem = check_metrics(f"node {number}", metrics, partitions.get(number) if partitions else None)
     if problem is not None:
         return problem
     loss = metrics.get(keys.TRAIN_LOSS, 0.0)
     if isinstance(loss, (int, float)) and not math.isfinite(float(loss)):
-        return "nonfinite", f"NaN or Inf train loss from {node}"
+        return "nonfinite", f"NaN or Inf train loss from node {number}"
     if not finite:
-        return "nonfinite", f"NaN or Inf in the update from {node}"
+        return "nonfinite", f"NaN or Inf in the update from node {number}"
     return None
 
 
