@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from fedsim.tasks import Classification, Task
 
 LAYERS = (nn.Linear, nn.ReLU, nn.Flatten, nn.Identity)
+_RELU_BACKWARD = torch.ops.aten.threshold_backward  # (g, out, 0): g where out > 0, else 0 (bit for bit)
 
 
 def supports(model: nn.Module) -> bool:
@@ -48,13 +49,13 @@ class DenseStep:
         if not supports(model):
             raise ValueError("DenseStep: not a Sequential of Flatten/Linear/ReLU/Identity layers")
         self.layers: list[tuple[str, str]] = []
+        self.names: list[tuple[str, str]] = []  # each layer's parameter names (weight, bias), made once
         for name, m in model.named_children():
-            if type(m) is nn.Linear:
-                self.layers.append(("linear", name))
-            elif type(m) is nn.ReLU:
-                self.layers.append(("relu", name))
-            elif type(m) is nn.Flatten:
-                self.layers.append(("flatten", name))
+            kind = {nn.Linear: "linear", nn.ReLU: "relu", nn.Flatten: "flatten"}.get(type(m))
+            if kind is not None:
+                self.layers.append((kind, name))
+                self.names.append((f"{name}.weight", f"{name}.bias"))
+        self.first = next(i for i, (kind, _) in enumerate(self.layers) if kind == "linear")
         self.task = task
         self.manual = type(task) is Classification
 
@@ -63,13 +64,13 @@ class DenseStep:
     ) -> torch.Tensor:
         """Outputs ``(k, batch, outputs)``; ``saved`` collects what the backward pass needs."""
         k, h = x.shape[0], x
-        for kind, name in self.layers:
+        for (kind, _), (wname, bname) in zip(self.layers, self.names):
             if kind == "flatten":
                 if saved is not None:
                     saved.append(h.shape)
                 h = h.flatten(2)
             elif kind == "linear":
-                w, b = params[f"{name}.weight"], params.get(f"{name}.bias")
+                w, b = params[wname], params.get(bname)
                 rows = h.reshape(k, -1, h.shape[-1])  # (k, rows, in)
                 if saved is not None:
                     saved.append((rows, h.shape))
@@ -99,21 +100,22 @@ class DenseStep:
         g.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(g[..., :1], -1.0))
         g.mul_(w.unsqueeze(-1))
         grads: dict[str, torch.Tensor] = {}
-        first = next(i for i, (kind, _) in enumerate(self.layers) if kind == "linear")
+        first = self.first
         for i in range(len(self.layers) - 1, first - 1, -1):
-            kind, name = self.layers[i]
+            kind = self.layers[i][0]
             s = saved[i]
             if kind == "linear":
+                wname, bname = self.names[i]
                 rows, shape = s
                 k = rows.shape[0]
                 g2 = g.reshape(k, -1, g.shape[-1])  # (k, rows, out)
-                grads[f"{name}.weight"] = torch.bmm(g2.transpose(1, 2), rows)  # (k, out, in)
-                if f"{name}.bias" in params:
-                    grads[f"{name}.bias"] = g2.sum(1)
+                grads[wname] = torch.bmm(g2.transpose(1, 2), rows)  # (k, out, in)
+                if bname in params:
+                    grads[bname] = g2.sum(1)
                 if i > first:
-                    g = torch.bmm(g2, params[f"{name}.weight"]).view(shape)
+                    g = torch.bmm(g2, params[wname]).view(shape)
             elif kind == "relu":
-                g = g * (s > 0)
+                g = _RELU_BACKWARD(g, s, 0)  # g * (s > 0), one op
             else:  # flatten
                 g = g.view(s)
         return losses, grads

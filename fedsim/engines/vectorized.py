@@ -584,9 +584,12 @@ def train_stacked(
     bufs = {n: torch.zeros_like(p) for n, p in params.items()} if local.optimizer != "sgd" else {}
     loss_sum = torch.zeros(k_all, dtype=torch.float64, device=device)
     rows = x.shape[1:]
+    labels = y.index_select(0, gather.reshape(-1)).view(gather.shape)  # every step's labels, gathered once
     for t in range(steps):
         k = active[t]
-        idx, w = (gather[t], weight[t]) if k == k_all else (gather[t, :k], weight[t, :k])  # (k, width)
+        idx, w, yb = (
+            (gather[t], weight[t], labels[t]) if k == k_all else (gather[t, :k], weight[t, :k], labels[t, :k])
+        )  # (k, width)
         xb = x.index_select(0, idx.reshape(-1)).view(k, width, *rows)  # x[idx], without advanced indexing
-        sgd(params, bufs, anchor, loss_sum, xb, y[idx], w)
+        sgd(params, bufs, anchor, loss_sum, xb, yb, w)
     return params, loss_sum.cpu().tolist()
