@@ -40,6 +40,7 @@ class FigureWorker:
             start_new_session=True,  # a Ctrl-C at the terminal is the run's to handle; it then asks for curves
         )
         self.asked: list[str] = []
+        self.unanswered: list[str] = []  # after finish(): pictures the worker ended without answering
 
     def draw(self, kind: str, png: str | Path, **request) -> bool:
         """Ask for ``partitions`` (``stats``: the path of partitions.json) or ``curves`` (``records``, ``title``,
@@ -53,7 +54,8 @@ class FigureWorker:
         return True
 
     def finish(self, timeout: float = 300.0) -> dict[str, str | None]:
-        """Wait for every picture asked for; ``{png: None}`` for one written, else why it is not (one line)."""
+        """Wait for every picture asked for; ``{png: None}`` for one written, else why it is not (one line).
+        Those the worker ended without answering (it died, or did not start drawing) are in ``unanswered``."""
         try:
             out, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -68,6 +70,7 @@ class FigureWorker:
                 continue
         lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
         gone = lines[-1] if lines else f"the drawing process ended with status {self.proc.returncode}"
+        self.unanswered = [png for png in self.asked if png not in answered]
         return {png: answered.get(png, gone) for png in self.asked}
 
     def cancel(self) -> None:

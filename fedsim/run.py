@@ -528,12 +528,30 @@ class Run:
                 curves.unlink(missing_ok=True)
                 log.warning("curves.png not written: %s", _one_line(e))
         if self.figures is not None:
-            drawn, self.figures = self.figures.finish(), None
+            worker, self.figures = self.figures, None
+            drawn = worker.finish()
+            for png in worker.unanswered:  # the worker ended before drawing them: drawn here instead
+                drawn[png] = _draw_here(Path(png), rec, title)
             for png, why in drawn.items():
                 if why:  # optional pictures: the run's results are written
                     Path(png).unlink(missing_ok=True)
                     log.warning("%s not written: %s", Path(png).name, why)
         return summary
+
+
+def _draw_here(png: Path, rec, title: str) -> str | None:
+    """Draw ``curves.png`` or ``partitions.png`` (from ``partitions.json`` beside it) in this process; None when
+    written, else why not (one line)."""
+    try:
+        if png.name == "partitions.png":
+            from fedsim.data.stats import plot_partitions
+
+            plot_partitions(json.loads((png.parent / "partitions.json").read_text()), png)
+        else:
+            rec.plot(title=title)
+    except Exception as e:  # noqa: BLE001  (an optional picture)
+        return _one_line(e)
+    return None
 
 
 def versions() -> dict:

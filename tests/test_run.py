@@ -47,12 +47,36 @@ def test_run_folder_has_every_output(tmp_path):
 def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
     from fedsim import figures
 
-    monkeypatch.setattr(figures, "_SERVE", "import sys; sys.exit('matplotlib is broken here')")
+    answer_errors = (  # a drawing process that answers every request with an error
+        "import json, sys\n"
+        "for line in sys.stdin:\n"
+        "    png = json.loads(line)['png']\n"
+        "    print(json.dumps({'png': png, 'error': 'matplotlib is broken here'}), flush=True)\n"
+    )
+    monkeypatch.setattr(figures, "_SERVE", answer_errors)
     summary = run_tiny(tmp_path)
     assert summary["status"] == "completed"
-    assert not (tmp_path / "partitions.png").exists()
-    assert "partitions.png not written: matplotlib is broken here" in caplog.text
-    assert (tmp_path / "curves.png").exists()  # drawn by the run itself: the worker had ended
+    for png in ("partitions.png", "curves.png"):
+        assert not (tmp_path / png).exists()
+        assert f"{png} not written: matplotlib is broken here" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "serve",
+    [
+        "import sys; sys.exit('matplotlib is broken here')",  # ends at once: the pipe refuses the requests
+        "import sys; sys.stdin.read(); sys.exit('broken')",  # takes every request, answers none
+    ],
+    ids=["ends-at-once", "answers-nothing"],
+)
+def test_a_drawing_process_that_dies_loses_no_picture(tmp_path, monkeypatch, caplog, serve):
+    from fedsim import figures
+
+    monkeypatch.setattr(figures, "_SERVE", serve)
+    summary = run_tiny(tmp_path)
+    assert summary["status"] == "completed"
+    assert (tmp_path / "partitions.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
+    assert "not written" not in caplog.text
 
 
 @pytest.mark.slow
