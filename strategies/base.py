@@ -311,7 +311,7 @@ def train_metrics(strategy: object, cohort: Any, key: str) -> MetricRecord | Non
     weighted by ``key``; None when the strategy has no such function."""
     from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-    from fedsim.strategies.records import average_metrics
+    from fedsim.records import average_metrics
 
     aggr = getattr(strategy, "train_metrics_aggr_fn", None)
     if not callable(aggr):
@@ -400,7 +400,7 @@ def plain_state(strategy: object) -> dict[str, Any]:
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
     from flwr.serverapp.strategy import Strategy
 
-    from fedsim.strategies.records import to_numpy
+    from fedsim.records import to_numpy
 
     stateful = isinstance(strategy, Stateful)
     attrs: dict[str, list] = {}
@@ -471,7 +471,7 @@ def load_plain_state(strategy: object, saved: dict[str, Any]) -> None:
     from flwr.app import ConfigRecord, MetricRecord
 
     from fedsim.errors import ConfigError
-    from fedsim.strategies.records import to_record
+    from fedsim.records import to_record
 
     check_plain_state(saved)
     here = _class_name(strategy)
