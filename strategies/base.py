@@ -65,6 +65,7 @@ from typing import Any, Protocol, runtime_checkable
 from flwr.app import Message, MetricRecord
 
 from fedsim import keys
+from fedsim.safe_pickle import is_plain
 from fedsim.strategies.async_base import AsyncStrategy
 
 
@@ -342,25 +343,6 @@ def load_inner_state(inner: object, state: dict[str, Any]) -> object:
 CONFIG_ONLY = frozenset({"default_num_rounds", "wall_clock"})
 _KINDS = ("plain", "arrays", "metrics", "config", "strategy")
 _WARNED: set[str] = set()
-
-
-def is_plain(value: object) -> bool:
-    """True for plain data: None, bool, int, float, complex, str, bytes, numeric numpy arrays and scalars,
-    torch tensors, and lists, tuples, sets and dicts (string or integer keys) of those."""
-    import numpy as np
-    import torch
-
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return True
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.dtype.kind in "biufc"
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return all(is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and is_plain(v) for k, v in value.items())
-    return False
 
 
 def _class_name(obj: object) -> str:
