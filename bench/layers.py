@@ -1,12 +1,51 @@
-"""fedsim's import graph, read from the source (no import runs): cycles, layers, what the ClientApp pulls in,
-and the longest functions.
+"""fedsim's import graph, read from the source (no import runs): cycles, the declared layers, what the ClientApp
+pulls in, and the longest functions.
 
     python bench/layers.py            # the figures
     python bench/layers.py --edges    # and every import inside a cycle
 
 Every ``import`` of a fedsim module counts, at module level or inside a function (a lazy import is still a
-dependency); ``if TYPE_CHECKING:`` blocks do not. A graph without cycles has layers (a module's layer is one
-above the highest module it imports), so no import runs upward. ``tests/test_layers.py`` holds the targets.
+dependency); ``if TYPE_CHECKING:`` blocks do not. ``tests/test_layers.py`` holds the targets.
+
+Units and layers. A unit is a sub-folder of the package (``algorithms/``, ``data/``, ``deploy/``, ``engines/``,
+and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module of ``fedsim/``.
+``LAYERS`` puts every unit in one named layer, lowest first; a unit imports only units of its own layer or of
+a layer below, and units import one another in no circle. The order, and why:
+
+core
+    The vocabulary both sides share and no feature owns: errors, keys, seeds, range checks, config
+    composition, the run's knobs, tasks and models, local-training settings, plain data.
+data
+    Data sets, partitioners and their cache, a SuperNode's data folder: the model's inputs, nothing of a
+    round.
+wire
+    What crosses the grid and how it is read: Flower records to numpy and back, the aggregation math on
+    them, the train message and the Cohort, byte counting and codecs, the one reply screen, grid helpers.
+    Client and server halves both speak it, so it sits below both.
+client
+    The client halves: client algorithms (``algorithms/``), fault injection, the training loop.
+server
+    The server halves: strategies and their wrappers' base (``strategies/``), the node binding's gate. A
+    two-half feature's server half imports its client half (``strategies/scaffold.py`` imports
+    ``algorithms/scaffold.py``), never the other way round: the ClientApp runs without server code.
+features
+    Features built as wrappers on the two halves: attacks, compression, client selection, simulated time.
+outputs
+    What a run writes and reads back: metrics files, figures, callbacks, checkpoints, the run folder.
+assembly
+    A config turned into objects: the client task and spec (build), the strategy with its wrappers and the
+    client algorithm bound to it (build_server), a SuperNode's task from its own data (node_data).
+loops
+    The synchronous and asynchronous server loops.
+apps
+    The Flower apps' own layer of a deployed run: run_config, run_spec, admission and the ClientApp (a node
+    derives the server's client spec to check a message against it, so it sits above assembly).
+engines
+    Backends that run ClientApps in a simulation (``engines/``).
+run
+    One experiment composed, checked and run; the ServerApp that runs one on a deployed grid.
+entry
+    Command lines: ``fedsim`` (cli, ``python -m fedsim``), sweeps, ``python -m fedsim.deploy`` (``deploy/``).
 """
 
 from __future__ import annotations
@@ -35,12 +74,52 @@ SERVER_SIDE = (
     "fedsim.callbacks",
     "fedsim.checkpoint",
     "fedsim.recorder",
+    "fedsim.node_binding",
     "fedsim.strategies.base",
     "fedsim.strategies.composition",
     "fedsim.strategies.wrapper",
     "fedsim.strategies.clip_wrapper",
 )
 CLIENT_APP = "fedsim.client_app"
+
+# The layers, lowest first (see the module docstring): every unit in exactly one.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "core",
+        (
+            "__init__",
+            "errors",
+            "keys",
+            "schema",
+            "seeds",
+            "checks",
+            "procs",
+            "progress",
+            "override_check",
+            "config",
+            "groups",
+            "validate",
+            "state",
+            "tasks",
+            "models",
+            "local",
+            "safe_pickle",
+            "checkpoint_fields",
+        ),
+    ),
+    ("data", ("data/", "partition_cache")),
+    ("wire", ("records", "aggregate", "comm", "codecs", "messages", "screen", "grid_utils")),
+    ("client", ("algorithms/", "faults", "training")),
+    ("server", ("strategies/", "node_binding")),
+    ("features", ("attacks", "compression", "selection", "clock")),
+    ("outputs", ("figures", "recorder", "callbacks", "checkpoint", "run_folder")),
+    ("assembly", ("build", "build_server", "node_data")),
+    ("loops", ("server", "async_server")),
+    ("apps", ("run_config", "run_spec", "admission", "client_app")),
+    ("engines", ("engines/",)),
+    ("run", ("experiment", "run", "server_app")),
+    ("entry", ("cli", "__main__", "sweep", "deploy/")),
+)
 
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
@@ -138,6 +217,55 @@ def cycles(edges: dict[str, dict[str, bool]]) -> list[list[str]]:
     return out
 
 
+def unit(path: Path, root: Path = ROOT) -> str:
+    """A file's unit: ``name/`` for a file anywhere in a sub-folder (``strategies/`` is one), else the module's
+    name (``__init__`` and ``__main__`` of ``fedsim/`` are units of their own)."""
+    rel = path.relative_to(root)
+    if rel.parts[0] != "fedsim":
+        return f"{rel.parts[0]}/"
+    return f"{rel.parts[1]}/" if len(rel.parts) > 2 else path.stem
+
+
+def unit_graph(root: Path = ROOT) -> dict[str, dict[str, list[tuple[str, str]]]]:
+    """unit -> {imported unit: the module imports behind it}; imports inside a unit are left out."""
+    known = modules(root)
+    units = {mod: unit(path, root) for mod, path in known.items()}
+    out: dict[str, dict[str, list[tuple[str, str]]]] = {u: {} for u in units.values()}
+    for mod, targets in graph(root).items():
+        for target in targets:
+            if units[mod] != units[target]:
+                out[units[mod]].setdefault(units[target], []).append((mod, target))
+    return out
+
+
+def layer_of(declared: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) -> dict[str, tuple[int, str]]:
+    """unit -> (the layer's rank, its name)."""
+    return {u: (rank, name) for rank, (name, units) in enumerate(declared) for u in units}
+
+
+def layer_violations(
+    root: Path = ROOT, declared: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS
+) -> list[str]:
+    """One line for each unit in no layer (or in two), each unit declared that does not exist, each circle of
+    units, and each import from a unit into a higher layer than its own."""
+    units = unit_graph(root)
+    where = layer_of(declared)
+    names = [u for _, us in declared for u in us]
+    out = [f"unit {u} is in more than one layer" for u in sorted({u for u in names if names.count(u) > 1})]
+    out += [f"unit {u} is in no layer of LAYERS" for u in sorted(set(units) - set(where))]
+    out += [f"unit {u} is declared in LAYERS but does not exist" for u in sorted(set(where) - set(units))]
+    out += [f"units in a circle: {', '.join(c)}" for c in cycles(units)]
+    for u, targets in sorted(units.items()):
+        for v, imports in sorted(targets.items()):
+            if u in where and v in where and where[v][0] > where[u][0]:
+                mod, target = imports[0]
+                more = f" (and {len(imports) - 1} more)" if len(imports) > 1 else ""
+                out.append(
+                    f"{mod} ({u}, layer {where[u][1]}) imports {target} ({v}, layer {where[v][1]}): upward{more}"
+                )
+    return out
+
+
 def layers(edges: dict[str, dict[str, bool]]) -> dict[str, int]:
     """Each module's layer (0: imports no fedsim module); the graph must have no cycles."""
     depth: dict[str, int] = {}
@@ -203,7 +331,15 @@ def main(argv: list[str] | None = None) -> int:
         for u, v in inside:
             print(f"    {u} -> {v} ({'module level' if edges[u][v] else 'lazy'})")
     if not found:
-        print(f"layers {max(layers(edges).values()) + 1}")
+        print(f"module layers {max(layers(edges).values()) + 1} (derived from the graph)")
+    units = unit_graph(a.root)
+    print(f"units {len(units)} (each sub-folder counted whole), declared layers {len(LAYERS)}, lowest first:")
+    for name, members in LAYERS:
+        print(f"  {name:9s} {' '.join(members)}")
+    wrong = layer_violations(a.root)
+    print(f"unit circles and imports against the declared order: {len(wrong)}")
+    for line in wrong:
+        print("  ", line)
     direct = sorted(edges[CLIENT_APP])
     top = closure(edges, CLIENT_APP, module_level=True)
     print(f"{CLIENT_APP} imports {len(direct)} fedsim modules: {', '.join(direct)}")

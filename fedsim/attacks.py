@@ -43,15 +43,15 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
+from fedsim.aggregate import flatten, is_float
 from fedsim.algorithms.halves import flip_labels  # noqa: F401  (the client half of label_flip)
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError
+from fedsim.records import to_numpy, to_record
 from fedsim.schema import MALICIOUS
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import flatten, is_float
-from fedsim.strategies.records import to_numpy, to_record
 from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord
 
+from fedsim.aggregate import is_float
+from fedsim.records import to_numpy
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.strategies.aggregate import is_float
-from fedsim.strategies.records import to_numpy
 
 
 def _numpy(arrays: ArrayRecord | Mapping[str, Any]) -> dict[str, np.ndarray]:

@@ -54,7 +54,7 @@ def cohort_bytes(stacked) -> int:
     without making the replies, from the pieces :func:`recorddict_bytes` adds up: every row's ArrayRecord has
     the same size, and a MetricRecord's size depends on its keys and integers only (a float is always 8 bytes)."""
     from fedsim import keys
-    from fedsim.strategies.records import npy_header
+    from fedsim.records import npy_header
 
     if not len(stacked):
         return 0

@@ -24,6 +24,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp.strategy import Strategy
 
+from fedsim.aggregate import cast_like, is_float
 from fedsim.attacks import with_model
 from fedsim.checks import integer, number
 from fedsim.codecs import (  # noqa: F401  (the codecs, re-exported: this module is the feature's home)
@@ -39,8 +40,7 @@ from fedsim.codecs import (  # noqa: F401  (the codecs, re-exported: this module
     topk_decode,
     wanted,
 )
-from fedsim.strategies.aggregate import cast_like, is_float
-from fedsim.strategies.records import reply_arrays, to_numpy
+from fedsim.records import reply_arrays, to_numpy
 from fedsim.strategies.wrapper import Wrapper
 
 

@@ -16,8 +16,8 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.errors import RunError, reply_error
+from fedsim.records import array_values
 from fedsim.screen import Row, _names, check_metrics, together
-from fedsim.strategies.records import array_values
 
 log = logging.getLogger("fedsim")
 

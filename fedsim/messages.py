@@ -21,8 +21,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from fedsim import keys
 from fedsim.errors import ConfigError
 from fedsim.local import LocalTraining
+from fedsim.records import array_values, npy_header, to_numpy
 from fedsim.seeds import Purpose, torch_generator
-from fedsim.strategies.records import array_values, npy_header, to_numpy
 
 # Train-config keys with a meaning on the client; anything else is "unhandled" (see TrainInstruction).
 DRAW_INDEX_KEYS = (keys.TASK_ID, keys.MODEL_VERSION, keys.SERVER_ROUND)
@@ -319,7 +319,7 @@ class Cohort:
         ``fedsim.strategies.aggregate.weighted_mean`` of the rows' models, so the same bits; on a GPU matrix
         products (float64 rounding apart).
         """
-        from fedsim.strategies.aggregate import normalised_weights
+        from fedsim.aggregate import normalised_weights
 
         if len(weights) != len(self):
             raise ValueError(f"need one weight per row, got {len(self)} rows and {len(weights)} weights")

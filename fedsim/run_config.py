@@ -124,7 +124,7 @@ def binding_from(run_config: dict):
     DeployConfigError
         The file cannot be read or an entry is not a node identity (one line naming the file and entry).
     """
-    from fedsim.deploy.nodes import BindingError, load_binding
+    from fedsim.node_binding import BindingError, load_binding
 
     value = str(run_config.get(NODES, "") or "").strip()
     if not value:

@@ -13,7 +13,24 @@ from collections import OrderedDict
 
 import numpy as np
 
-from fedsim.strategies import base
+
+def is_plain(value: object) -> bool:
+    """True for plain data: None, bool, int, float, complex, str, bytes, numeric numpy arrays and scalars,
+    torch tensors, and lists, tuples, sets and dicts (string or integer keys) of those."""
+    import numpy as np
+    import torch
+
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return True
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.dtype.kind in "biufc"
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(is_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, (str, int)) and is_plain(v) for k, v in value.items())
+    return False
 
 
 def _multiarray():
@@ -255,7 +272,7 @@ def _plain_from_record(rec: _Record) -> dict:
             continue
         if isinstance(value, _Record):
             attrs[name] = ["strategy", _plain_from_record(value)]
-        elif base.is_plain(value):
+        elif is_plain(value):
             attrs[name] = ["plain", value]
     return {"class": str(rec.cls), "attrs": attrs}
 

@@ -12,7 +12,7 @@ run_config keys (declared in pyproject's ``[tool.flwr.app.config]``):
   the ServerApp's working directory (where ``flower-superexec``, or the ``flower-superlink`` that started it,
   was started).
 * ``nodes``: a YAML file on the server binding partition ids to the SuperNodes' registered public keys or
-  names (``fedsim.deploy.nodes``). Empty: no binding; every node's self-declared ``partition-id`` is believed
+  names (``fedsim.node_binding``). Empty: no binding; every node's self-declared ``partition-id`` is believed
   (logged as a warning). With a binding, a node that is not listed, or claims another partition than its own,
   gets no work, and the run folder's ``nodes.json`` names it and says why.
 
@@ -270,7 +270,7 @@ def serve(grid: Grid, run_config: dict) -> None:
         handler.setFormatter(logging.Formatter("fedsim %(levelname)s: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    from fedsim.deploy.nodes import NODES_FILE, NodeGate
+    from fedsim.node_binding import NODES_FILE, NodeGate
 
     cfg, choices, out_dir = experiment_from(run_config)
     binding = binding_from(run_config)

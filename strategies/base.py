@@ -65,6 +65,7 @@ from typing import Any, Protocol, runtime_checkable
 from flwr.app import Message, MetricRecord
 
 from fedsim import keys
+from fedsim.safe_pickle import is_plain
 from fedsim.strategies.async_base import AsyncStrategy
 
 
@@ -311,7 +312,7 @@ def train_metrics(strategy: object, cohort: Any, key: str) -> MetricRecord | Non
     weighted by ``key``; None when the strategy has no such function."""
     from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
-    from fedsim.strategies.records import average_metrics
+    from fedsim.records import average_metrics
 
     aggr = getattr(strategy, "train_metrics_aggr_fn", None)
     if not callable(aggr):
@@ -342,25 +343,6 @@ def load_inner_state(inner: object, state: dict[str, Any]) -> object:
 CONFIG_ONLY = frozenset({"default_num_rounds", "wall_clock"})
 _KINDS = ("plain", "arrays", "metrics", "config", "strategy")
 _WARNED: set[str] = set()
-
-
-def is_plain(value: object) -> bool:
-    """True for plain data: None, bool, int, float, complex, str, bytes, numeric numpy arrays and scalars,
-    torch tensors, and lists, tuples, sets and dicts (string or integer keys) of those."""
-    import numpy as np
-    import torch
-
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return True
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.dtype.kind in "biufc"
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return all(is_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, (str, int)) and is_plain(v) for k, v in value.items())
-    return False
 
 
 def _class_name(obj: object) -> str:
@@ -400,7 +382,7 @@ def plain_state(strategy: object) -> dict[str, Any]:
     from flwr.app import ArrayRecord, ConfigRecord, MetricRecord
     from flwr.serverapp.strategy import Strategy
 
-    from fedsim.strategies.records import to_numpy
+    from fedsim.records import to_numpy
 
     stateful = isinstance(strategy, Stateful)
     attrs: dict[str, list] = {}
@@ -471,7 +453,7 @@ def load_plain_state(strategy: object, saved: dict[str, Any]) -> None:
     from flwr.app import ConfigRecord, MetricRecord
 
     from fedsim.errors import ConfigError
-    from fedsim.strategies.records import to_record
+    from fedsim.records import to_record
 
     check_plain_state(saved)
     here = _class_name(strategy)

@@ -10,8 +10,8 @@ import torch
 from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
 
 from fedsim import keys
-from fedsim.strategies.aggregate import is_float
-from fedsim.strategies.records import to_record
+from fedsim.aggregate import is_float
+from fedsim.records import to_record
 
 STAND_IN_NODE = 0  # a node id that no real node has (Flower draws node ids at random, never 0)
 

@@ -74,18 +74,18 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys, schema
-from fedsim.checks import integer, number
-from fedsim.errors import ConfigError, StopRun
-from fedsim.grid_utils import SampledGrid, first_line
-from fedsim.strategies import base, composition
-from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
-from fedsim.strategies.aggregate import (
+from fedsim.aggregate import (
     cast_like,
     is_float,
     noise_std,
 )
+from fedsim.checks import integer, number
+from fedsim.errors import ConfigError, StopRun
+from fedsim.grid_utils import SampledGrid, first_line
+from fedsim.records import to_numpy
+from fedsim.strategies import base, composition
+from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
 from fedsim.strategies.clip_rows import STAND_IN_NODE, noise_reply, row_norms, row_updates
-from fedsim.strategies.records import to_numpy
 from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")

@@ -15,9 +15,9 @@ import logging
 from flwr.serverapp.strategy import Strategy
 
 from fedsim import keys
+from fedsim.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
 from fedsim.checks import number
 from fedsim.errors import ConfigError
-from fedsim.strategies.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
 from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
 from fedsim.strategies.flower_names import alias
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedsim.strategies.aggregate import adam_second_moment
+from fedsim.aggregate import adam_second_moment
 from fedsim.strategies.fedopt import FedOpt
 
 

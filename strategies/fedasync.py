@@ -8,10 +8,10 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord
 
+from fedsim.aggregate import cast_like, is_float
 from fedsim.checks import number
-from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.records import to_numpy, to_record
 from fedsim.strategies.async_base import AsyncStrategy
-from fedsim.strategies.records import to_numpy, to_record
 
 
 def mix(

@@ -12,9 +12,9 @@ from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from flwr.supercore import log as flwr_log
 
+from fedsim.aggregate import cast_like, weighted_mean
+from fedsim.records import reply_arrays, reply_metrics, to_record
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import cast_like, weighted_mean
-from fedsim.strategies.records import reply_arrays, reply_metrics, to_record
 
 if TYPE_CHECKING:
     from fedsim.messages import Cohort

@@ -10,10 +10,10 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
+from fedsim.aggregate import is_float, momentum_step
 from fedsim.checks import number
-from fedsim.strategies.aggregate import is_float, momentum_step
+from fedsim.records import to_numpy
 from fedsim.strategies.fedavg import FedAvg
-from fedsim.strategies.records import to_numpy
 
 
 class ServerMomentum(FedAvg):

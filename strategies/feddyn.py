@@ -16,12 +16,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
+from fedsim.aggregate import cast_like, is_float
 from fedsim.algorithms.feddyn import ALPHA
 from fedsim.checks import integer, number
-from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.records import to_numpy, to_record
 from fedsim.strategies.composition import COHORT_SCALED, Release
 from fedsim.strategies.fedavg import FedAvg
-from fedsim.strategies.records import to_numpy, to_record
 
 
 class FedDyn(FedAvg):

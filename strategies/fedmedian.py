@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fedsim.strategies.aggregate import coordinate_median_stacked
+from fedsim.aggregate import coordinate_median_stacked
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 

@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from fedsim import keys
+from fedsim.aggregate import is_float, normalised_weights
 from fedsim.checks import number
-from fedsim.strategies.aggregate import is_float, normalised_weights
 from fedsim.strategies.composition import NORMALISED, Release
 from fedsim.strategies.fedavg import FedAvg
 
@@ -60,7 +60,7 @@ class FedNova(FedAvg):
 
     def configure_train(self, server_round, arrays, config, grid):
         """Flower's train messages; remembers the model sent."""
-        from fedsim.strategies.records import to_numpy
+        from fedsim.records import to_numpy
 
         self.current = to_numpy(arrays)
         return super().configure_train(server_round, arrays, config, grid)

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from fedsim.aggregate import trimmed_mean_stacked
 from fedsim.checks import integer, number
-from fedsim.strategies.aggregate import trimmed_mean_stacked
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 

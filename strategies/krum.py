@@ -8,14 +8,14 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 
+from fedsim.aggregate import cast_like, is_float, krum_select
 from fedsim.checks import integer
 from fedsim.errors import ConfigError
+from fedsim.records import to_record
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import cast_like, is_float, krum_select
 from fedsim.strategies.composition import ROBUST, Release
 from fedsim.strategies.fedavgm import ServerMomentum
 from fedsim.strategies.flower_names import alias
-from fedsim.strategies.records import to_record
 
 log = logging.getLogger("fedsim")
 

@@ -18,12 +18,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 from flwr.serverapp import Grid
 
 from fedsim import keys
+from fedsim.aggregate import cast_like, is_float
 from fedsim.algorithms.scaffold import DELTA_C, SERVER_C
 from fedsim.checks import integer, number
-from fedsim.strategies.aggregate import cast_like, is_float
+from fedsim.records import reply_arrays, to_numpy, to_record
 from fedsim.strategies.composition import MEAN, RAW, Release
 from fedsim.strategies.fedavg import FedAvg
-from fedsim.strategies.records import reply_arrays, to_numpy, to_record
 
 
 class Scaffold(FedAvg):

@@ -1,11 +1,11 @@
-"""Hand-computed checks of the pure math in fedsim.strategies.aggregate."""
+"""Hand-computed checks of the pure math in fedsim.aggregate."""
 
 import math
 
 import numpy as np
 import pytest
 
-from fedsim.strategies import aggregate as agg
+from fedsim import aggregate as agg
 
 
 def _a(*xs):

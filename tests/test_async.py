@@ -6,10 +6,10 @@ import torch
 from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim.errors import ConfigError
+from fedsim.records import to_numpy, to_record
 from fedsim.run import run_experiment
 from fedsim.strategies.fedasync import FedAsync
 from fedsim.strategies.fedbuff import FedBuff
-from fedsim.strategies.records import to_numpy, to_record
 from fedsim.strategies.staleness import hinge, polynomial, staleness_fn
 
 # Two clients whose tasks do identical work (2 steps of 16 examples); client 1 is 1/0.3 = 3.33x slower.

@@ -10,9 +10,9 @@ from flwr.serverapp import strategy as flwr_strategies
 from strategy_helpers import configure, flower_kwargs, make_replies, make_reply, run_round, snapshot
 
 from fedsim import keys
+from fedsim.aggregate import l2_norm, subtract
 from fedsim.errors import ConfigError, StopRun
 from fedsim.strategies.accounting import RoundAccountant
-from fedsim.strategies.aggregate import l2_norm, subtract
 from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.fedavgm import FedAvgM
@@ -454,7 +454,7 @@ def test_clipping_replaces_only_the_model_record_of_a_reply():
     from flwr.app import Message, MetricRecord, RecordDict
     from strategy_helpers import server_identity
 
-    from fedsim.strategies.records import rebuild_reply, to_record
+    from fedsim.records import rebuild_reply, to_record
 
     dc = {"w": np.full(3, 7.0, dtype=np.float32)}
     content = RecordDict(

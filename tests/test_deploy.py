@@ -268,7 +268,7 @@ def _pem(pub: Path) -> bytes:
 
 
 def test_binding_file_names_nodes_by_key_key_file_or_name(tmp_path):
-    from fedsim.deploy.nodes import load_binding
+    from fedsim.node_binding import load_binding
 
     pubs = [Path(str(make_node_key(tmp_path / f"k{i}")) + ".pub") for i in range(4)]
     (tmp_path / "nodes.yaml").write_text(
@@ -345,7 +345,7 @@ class FakeFleet:
 def test_unlisted_and_misclaiming_nodes_get_no_work_and_are_counted(tmp_path, caplog):
     """Bound by key: an unlisted node (registered first, claiming 0) is never asked; a node bound to 1
     claiming 0 is refused; one warning line each; the honest nodes get the partitions; nodes.json says why."""
-    from fedsim.deploy.nodes import NodeGate, fingerprint, load_binding
+    from fedsim.node_binding import NodeGate, fingerprint, load_binding
 
     pubs = {n: Path(str(make_node_key(tmp_path / n)) + ".pub") for n in ("a", "b", "c", "x", "s")}
     (tmp_path / "nodes.yaml").write_text(
@@ -381,13 +381,13 @@ def test_unlisted_and_misclaiming_nodes_get_no_work_and_are_counted(tmp_path, ca
 
 
 def _canonical(pub: Path) -> bytes:
-    from fedsim.deploy.nodes import canonical_key
+    from fedsim.node_binding import canonical_key
 
     return canonical_key(pub.read_text())
 
 
 def test_without_a_binding_a_duplicate_claim_keeps_the_first_registered(tmp_path, caplog):
-    from fedsim.deploy.nodes import NodeGate
+    from fedsim.node_binding import NodeGate
 
     fleet = FakeFleet([(10, b"", "", 0), (11, b"", "", 1), (77, b"", "", 0), (12, b"", "", 2)])
     gate = NodeGate(fleet, None, 3, tmp_path / "nodes.json")
@@ -426,9 +426,9 @@ def test_a_partition_left_open_by_a_refused_claim_is_skipped_and_the_run_goes_on
     from flwr.app import ConfigRecord, Message, RecordDict
     from strategy_helpers import server_identity
 
-    from fedsim.deploy.nodes import VACANT, NodeGate, parse_binding
     from fedsim.errors import RunError
     from fedsim.grid_utils import UNAVAILABLE_CODES
+    from fedsim.node_binding import VACANT, NodeGate, parse_binding
 
     pubs = [Path(str(make_node_key(tmp_path / f"k{i}")) + ".pub") for i in range(2)]
     binding = parse_binding({0: pubs[0].read_text(), 1: pubs[1].read_text()})
@@ -741,7 +741,7 @@ def test_node_ids_and_secrets_are_the_operators_only_and_secrets_go_at_exit(tmp_
 
     from fedsim.deploy.__main__ import _run_node
     from fedsim.deploy.launch import write_secret
-    from fedsim.deploy.nodes import NodeGate
+    from fedsim.node_binding import NodeGate
     from fedsim.server_app import ReplyLog
 
     gate = NodeGate(FakeFleet([(10, b"", "", 0)]), None, 1, tmp_path / "run" / "nodes.json")
@@ -1560,7 +1560,7 @@ def test_a_garbled_reply_through_the_superlink_is_dropped_with_one_warning_and_t
     garble every train reply on its way to the SuperLink (an extra metric, truncated bytes): each round drops
     that reply as ``malformed`` with one warning naming the node, aggregates the other two, and completes."""
     from fedsim.deploy.launch import warm_command
-    from fedsim.deploy.nodes import binding_yaml
+    from fedsim.node_binding import binding_yaml
 
     key = make_node_key(fed.root / "garbler" / "key")
     garbler = fed.register(None, Path(f"{key}.pub"), name="garbler")  # bound by this run's file only

@@ -391,7 +391,7 @@ def test_fedsim_clientapp_names_a_bad_run_config_override_in_one_line():
 def test_a_key_that_is_no_public_key_is_a_value_error_for_the_node_gate(key):
     """Flower's simulation gives its nodes random bytes as public keys: the node gate reads them as unreadable
     (cryptography raises UnsupportedAlgorithm for an unknown key type, which stopped fedsim's ServerApp)."""
-    from fedsim.deploy.nodes import canonical_key
+    from fedsim.node_binding import canonical_key
 
     with pytest.raises(ValueError):
         canonical_key(key)

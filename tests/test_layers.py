@@ -1,5 +1,6 @@
-"""The import graph (bench/layers.py reads it from the source): no cycles, so no import runs upward, and a
-ClientApp that imports a handful of modules, none of them server-side."""
+"""The import graph (bench/layers.py reads it from the source, lazy imports counted): no module cycles; the units
+(each sub-folder counted whole, each top-level module) in the declared layers, with no circle between units and
+no import against the declared order; a ClientApp that imports a handful of modules, none of them server-side."""
 
 import importlib.util
 from pathlib import Path
@@ -44,6 +45,44 @@ def test_the_scanner_sees_lazy_and_relative_imports_and_finds_a_cycle(tmp_path):
     assert layers.closure(edges, "fedsim.a", module_level=True) == {"fedsim.b"}
 
 
+def test_the_units_keep_the_declared_layer_order_with_no_circle_between_folders():
+    units = layers.unit_graph()
+    assert {"algorithms/", "data/", "deploy/", "engines/", "strategies/", "messages", "client_app"} <= set(
+        units
+    )
+    assert "fedsim.strategies.fedavg" not in units and not any("." in u for u in units)  # folders count whole
+    # a lazy import counts: run_spec builds the server's strategy inside a function
+    assert ("fedsim.run_spec", "fedsim.build_server") in units["run_spec"]["build_server"]
+    wrong = layers.layer_violations()
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_layer_check_names_an_upward_import_a_circle_of_folders_and_an_undeclared_unit(tmp_path):
+    pkg = tmp_path / "fedsim"
+    for folder in (pkg / "low", pkg / "high", tmp_path / "strategies"):
+        folder.mkdir(parents=True)
+        (folder / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from fedsim.high import b\n")  # lazy, and upward
+    (pkg / "high" / "b.py").write_text("X = 1\n")
+    (pkg / "high" / "c.py").write_text("from ..low import d\n")  # no module cycle, but low/ <-> high/
+    (pkg / "low" / "d.py").write_text("")
+    (pkg / "util.py").write_text("import fedsim.low.a\n")
+    (tmp_path / "strategies" / "s.py").write_text("from fedsim import util\n")
+    assert layers.cycles(layers.graph(tmp_path)) == []
+    declared = (("bottom", ("__init__", "low/")), ("top", ("high/", "strategies/", "ghost")))
+    assert layers.layer_violations(tmp_path, declared) == [
+        "unit util is in no layer of LAYERS",
+        "unit ghost is declared in LAYERS but does not exist",
+        "units in a circle: high/, low/",
+        "fedsim.low.a (low/, layer bottom) imports fedsim.high.b (high/, layer top): upward",
+    ]
+    both = (("bottom", ("__init__", "low/", "util")), ("top", ("high/", "low/", "strategies/")))
+    assert layers.layer_violations(tmp_path, both)[0] == "unit low/ is in more than one layer"
+    fine = (("bottom", ("__init__", "low/", "high/")), ("top", ("util", "strategies/")))
+    assert layers.layer_violations(tmp_path, fine) == ["units in a circle: high/, low/"]
+
+
 # The code a round runs (the server loops, the engines, the strategies and wrappers, the screen, the client's
 # training and its halves): no function of it over FUNCTION_LIMIT lines. Constructors (``__init__``) run once,
 # when the run is built, and so does node discovery; they are not on it.
@@ -65,6 +104,8 @@ ROUND_PATH = (
     "fedsim.selection",
     "fedsim.comm",
     "fedsim.codecs",
+    "fedsim.records",
+    "fedsim.aggregate",
 )
 START_UP = frozenset({"fedsim.grid_utils:discover"})
 FILE_LIMIT, FUNCTION_LIMIT = 600, 60

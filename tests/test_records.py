@@ -1,4 +1,4 @@
-"""``fedsim.strategies.records.array_values``: the values of ``Array.numpy()`` without its ``np.load``."""
+"""``fedsim.records.array_values``: the values of ``Array.numpy()`` without its ``np.load``."""
 
 import io
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flwr.app import Array
 
-from fedsim.strategies.records import array_values, to_numpy, to_record
+from fedsim.records import array_values, to_numpy, to_record
 
 RNG = np.random.default_rng(0)
 CASES = {

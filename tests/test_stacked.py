@@ -14,15 +14,15 @@ from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
 from fedsim import attacks, build, build_server, comm, keys, messages, seeds
+from fedsim.aggregate import weighted_mean
 from fedsim.engines.vectorized import VectorizedGrid
 from fedsim.grid_utils import screen_replies
 from fedsim.messages import Cohort, array_record, device_mean
+from fedsim.records import average_metrics, to_record
 from fedsim.screen import screen_cohort
 from fedsim.seeds import torch_generator, torch_generators
 from fedsim.strategies import base
-from fedsim.strategies.aggregate import weighted_mean
 from fedsim.strategies.fedavg import FedAvg
-from fedsim.strategies.records import average_metrics, to_record
 
 BATCHED_FORM = [
     "fedavg",
@@ -353,7 +353,7 @@ def _plain(reply):
 def test_the_attack_and_clipping_on_the_cohort_are_their_closed_forms():
     """SignFlip then fixed clipping, on a cohort: the attackers' rows become ``x - d``, every update is clipped
     to ``C`` (numpy's closed form, ``aggregate.clip``) and FedAvg takes the weighted mean of ``x + clip(d)``."""
-    from fedsim.strategies.aggregate import clip
+    from fedsim.aggregate import clip
     from fedsim.strategies.clipping import FixedClipping
 
     cohort = _stacked(5, seed=5)

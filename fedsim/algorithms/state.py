@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, RecordDict
 
-from fedsim.strategies.records import to_numpy
+from fedsim.records import to_numpy
 
 PREFIX = "fedsim-client-state"  # the ArrayRecord in Context.state that holds a node's arrays
 _VERSION = re.compile(r"^(\d+)-(\d+)\.npz$")

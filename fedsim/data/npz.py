@@ -1,4 +1,4 @@
-"""A user's own arrays in the ``.npz`` format a SuperNode's ``data-dir`` holds (:mod:`fedsim.node_data`).
+"""A user's own arrays in the ``.npz`` format a SuperNode's ``data-dir`` holds (:mod:`fedsim.data.node_folder`).
 
 ``path`` is a folder holding ``train.npz`` (arrays ``x``, ``y``, optionally ``groups``: each example's natural
 owner, for ``partitioner=natural``) and optionally ``test.npz`` (``x``, ``y``: the server's test set), or one
@@ -17,8 +17,8 @@ import numpy as np
 
 from fedsim.data.base import MAX_CLASSES, Dataset
 from fedsim.data.digits import stratified_split
+from fedsim.data.node_folder import TRAIN_FILE, _read_npz
 from fedsim.errors import ConfigError
-from fedsim.node_data import TRAIN_FILE, _read_npz
 
 __all__ = ["load_npz"]
 

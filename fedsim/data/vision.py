@@ -198,7 +198,7 @@ def load_fashion_mnist(
 
 
 def _read_cifar_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    from fedsim.checkpoint import SafeUnpickler, UnsafePickle
+    from fedsim.safe_pickle import SafeUnpickler, UnsafePickle
 
     try:
         with open(path, "rb") as f:  # pickles: read by an unpickler that rebuilds data only (never runs code)

@@ -7,7 +7,7 @@
 ``python -m fedsim.deploy stop``           stop what ``local --keep`` or ``superlink --detach`` left running
 
 The server side is hardened (``fedsim.deploy.launch``, ``fedsim.deploy.commands``, ``fedsim.deploy.front``) and runs bind nodes to
-partitions by their registered keys (``fedsim.deploy.nodes``). See docs/deploy.md for the same steps across
+partitions by their registered keys (``fedsim.node_binding``). See docs/deploy.md for the same steps across
 machines and the threat model.
 """
 

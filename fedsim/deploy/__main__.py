@@ -330,7 +330,7 @@ def run_local(args: argparse.Namespace) -> int:
 
 def run_superlink(args: argparse.Namespace) -> int:
     """The ``superlink`` subcommand: the hardened server side; returns the exit status."""
-    from fedsim.deploy.nodes import BindingError, load_binding
+    from fedsim.node_binding import BindingError, load_binding
 
     if args.insecure == (args.certs is not None):
         raise DeployError("give either --certs DIR (TLS and node authentication) or --insecure")

@@ -304,7 +304,7 @@ class Federation:
 
     def binding_file(self) -> Path | None:
         """Write ``nodes.yaml``: each partition bound to the keys registered for it; None when none was."""
-        from fedsim.deploy.nodes import binding_yaml
+        from fedsim.node_binding import binding_yaml
 
         if not self.bound_keys:
             return None

@@ -194,7 +194,7 @@ def load_binding(path: str | Path) -> NodeBinding:
 
 def binding_yaml(keys: dict[int, Iterable[str | Path]]) -> str:
     """A binding file's text: each partition bound to the public keys in these ``.pub`` files (inline)."""
-    lines = ["# partition id: the public key(s) of the SuperNode(s) that may serve it (fedsim.deploy.nodes)"]
+    lines = ["# partition id: the public key(s) of the SuperNode(s) that may serve it (fedsim.node_binding)"]
     for pid in sorted(keys):
         pubs = [" ".join(Path(p).read_text().split()[:2]) for p in keys[pid]]
         if len(pubs) == 1:

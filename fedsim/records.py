@@ -1,4 +1,4 @@
-"""Glue between Flower messages and the numpy dicts of ``fedsim.strategies.aggregate``; nothing here mutates a record."""
+"""Glue between Flower messages and the numpy dicts of ``fedsim.aggregate``; nothing here mutates a record."""
 
 from __future__ import annotations
 
