@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fedsim import schema
 
-__all__ = ["FigureWorker", "plot_curves"]
+__all__ = ["FigureWorker", "draw_here", "plot_curves"]
 
 
 class FigureWorker:
@@ -78,6 +78,21 @@ class FigureWorker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
+
+
+def draw_here(png: Path, records: list[dict], title: str = "", metric: str = "accuracy") -> str | None:
+    """Draw ``curves.png`` (from ``records``) or ``partitions.png`` (from ``partitions.json`` beside it) in this
+    process, as the worker would; None when written, else why not (one line)."""
+    try:
+        if png.name == "partitions.png":
+            from fedsim.data.stats import plot_partitions
+
+            plot_partitions(json.loads((png.parent / "partitions.json").read_text()), png)
+        else:
+            plot_curves(records, png, title, metric)
+    except Exception as e:  # noqa: BLE001  (an optional picture)
+        return f"{type(e).__name__}: {e}".splitlines()[0]
+    return None
 
 
 def _watch_parent(poll: float = 0.5) -> None:

@@ -316,7 +316,7 @@ class Cohort:
         """``sum_i w_i x_i / sum_i w_i`` per parameter in float64, computed where the rows are, as numpy arrays.
 
         On the CPU the same products and sums in the same order as
-        ``fedsim.strategies.aggregate.weighted_mean`` of the rows' models, so the same bits; on a GPU matrix
+        ``fedsim.aggregate.weighted_mean`` of the rows' models, so the same bits; on a GPU matrix
         products (float64 rounding apart).
         """
         from fedsim.aggregate import normalised_weights
@@ -343,7 +343,7 @@ HOST_MEAN_AT_ONCE = 1 << 22
 def host_mean(tensors: dict[str, torch.Tensor], w: np.ndarray) -> dict[str, np.ndarray]:
     """``sum_i w[i] x[i]`` in float64 of CPU tensors ``(rows, *shape)``, with numpy (one thread, whatever torch's
     thread count): every tensor at once as one ``(rows, values)`` matrix, each value the same products and sums in
-    the same order as ``fedsim.strategies.aggregate.weighted_mean`` (``acc = w[0] x[0]``, then ``+= w[i] x[i]``).
+    the same order as ``fedsim.aggregate.weighted_mean`` (``acc = w[0] x[0]``, then ``+= w[i] x[i]``).
     The results are views into one buffer."""
     flat = [x.numpy().reshape(len(w), -1) for x in tensors.values()]
     if not flat:

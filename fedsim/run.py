@@ -39,7 +39,7 @@ from fedsim.config import quiet_loggers
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
 from fedsim.experiment import Experiment, build_experiment
-from fedsim.figures import FigureWorker
+from fedsim.figures import FigureWorker, draw_here
 from fedsim.grid_utils import StoppableView
 from fedsim.recorder import (
     Recorder,
@@ -531,27 +531,12 @@ class Run:
             worker, self.figures = self.figures, None
             drawn = worker.finish()
             for png in worker.unanswered:  # the worker ended before drawing them: drawn here instead
-                drawn[png] = _draw_here(Path(png), rec, title)
+                drawn[png] = draw_here(Path(png), rec.records, title, rec.task.metric)
             for png, why in drawn.items():
                 if why:  # optional pictures: the run's results are written
                     Path(png).unlink(missing_ok=True)
                     log.warning("%s not written: %s", Path(png).name, why)
         return summary
-
-
-def _draw_here(png: Path, rec, title: str) -> str | None:
-    """Draw ``curves.png`` or ``partitions.png`` (from ``partitions.json`` beside it) in this process; None when
-    written, else why not (one line)."""
-    try:
-        if png.name == "partitions.png":
-            from fedsim.data.stats import plot_partitions
-
-            plot_partitions(json.loads((png.parent / "partitions.json").read_text()), png)
-        else:
-            rec.plot(title=title)
-    except Exception as e:  # noqa: BLE001  (an optional picture)
-        return _one_line(e)
-    return None
 
 
 def versions() -> dict:

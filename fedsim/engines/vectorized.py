@@ -587,9 +587,7 @@ def train_stacked(
     labels = y.index_select(0, gather.reshape(-1)).view(gather.shape)  # every step's labels, gathered once
     for t in range(steps):
         k = active[t]
-        idx, w, yb = (
-            (gather[t], weight[t], labels[t]) if k == k_all else (gather[t, :k], weight[t, :k], labels[t, :k])
-        )  # (k, width)
+        idx, w, yb = gather[t, :k], weight[t, :k], labels[t, :k]  # (k, width)
         xb = x.index_select(0, idx.reshape(-1)).view(k, width, *rows)  # x[idx], without advanced indexing
         sgd(params, bufs, anchor, loss_sum, xb, yb, w)
     return params, loss_sum.cpu().tolist()
