@@ -424,3 +424,19 @@ def test_the_loop_on_the_cohort_gives_the_run_of_flowers_adapter(tmp_path, monke
     assert without_wall_time(a) == without_wall_time(b) and a[-1]["bytes_up"] > 0
     ma, mb = torch.load(tmp_path / "cohort" / "model.pt"), torch.load(tmp_path / "messages" / "model.pt")
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_host_mean_is_weighted_mean_bit_for_bit_and_its_reused_scratch_leaves_earlier_results_alone():
+    from fedsim.aggregate import normalised_weights
+
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for rows, width in ((7, 5), (3, 11), (7, 5)):  # the scratch grows, then is reused smaller
+        stack = {"w": torch.randn(rows, width, 3, generator=gen), "b": torch.randn(rows, width, generator=gen)}
+        sizes = torch.randint(1, 50, (rows,), generator=gen).tolist()
+        got = messages.host_mean(stack, normalised_weights(sizes))
+        oracle = weighted_mean([{n: t[i].numpy() for n, t in stack.items()} for i in range(rows)], sizes)
+        assert all(np.array_equal(got[n], oracle[n]) for n in oracle)
+        results.append((got, {n: a.copy() for n, a in got.items()}))
+    for got, kept in results:  # no later call wrote into an earlier result
+        assert all(np.array_equal(got[n], kept[n]) for n in kept)
