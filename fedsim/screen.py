@@ -26,6 +26,8 @@ def _names(keys_: Iterable[str], limit: int = 3) -> str:
 
 def _whole(v: object, low: float, high: float) -> bool:
     """A whole number (int, or float without a fraction) in ``[low, high]``; not a bool."""
+    if type(v) is int:  # the usual value, at once
+        return low <= v <= high
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return False
     return math.isfinite(v) and v == int(v) and low <= v <= high
@@ -37,6 +39,8 @@ def check_metrics(node: str, metrics: Mapping, partition: int | None = None) -> 
     (:func:`screen_cohort`) alike; ``node`` names the reply's node (``"node 3"``)."""
     for key in (keys.PARTITION_ID, keys.NUM_EXAMPLES):
         v = metrics.get(key)
+        if type(v) is int and v >= 0:  # the usual value, at once
+            continue
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
             return "malformed", (
                 f"reply from {node} lacks a number >= 0 for metric {key!r} "
@@ -55,6 +59,8 @@ def check_metrics(node: str, metrics: Mapping, partition: int | None = None) -> 
             f"reply from {node}: num-examples {n!r} is not a whole number in [0, {MAX_NUM_EXAMPLES:.0e}]"
         )
     for k, v in metrics.items():
+        if type(v) is float or type(v) is int:  # the usual value, at once (a bool's type is bool)
+            continue
         ok = isinstance(v, (int, float)) or (
             isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)
         )
@@ -87,10 +93,11 @@ def screen_cohort(cohort, reference: ArrayRecord, partitions: Mapping[int, int] 
             keep.append(i)
         else:
             failures.append(problem)
-    rows = []
+    rows, layouts = [], {}  # (one sorted layout per key order: the rows' metrics mostly share one)
     for i in keep:
         m = cohort.metrics[i]
-        layout = (_ROW_RECORDS, tuple(sorted(m.keys())))
+        order = tuple(m)
+        layout = layouts.get(order) or layouts.setdefault(order, (_ROW_RECORDS, tuple(sorted(order))))
         rows.append(Row(i, int(m[keys.PARTITION_ID]), f"node {nodes[i]}", layout, m[keys.NUM_EXAMPLES]))
     return cohort.take([r.item for r in together(rows, failures)]), failures
 
