@@ -44,23 +44,64 @@ class LocalTraining:
             integer("local_epochs", self.local_epochs, 1, what="an integer >= 1 (or set client.local_steps)")
 
 
+MOMENTUM = ("momentum", "nesterov")  # the optimisers that keep a momentum buffer
+
+
+def sgd_update_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, cfg: LocalTraining) -> None:
+    """One SGD step of ``p`` in place from its gradient ``g``: the one definition of the rule, for a client's
+    parameter (:class:`SGD`) and for a cohort's stacked parameters (the batched engine).
+
+    ``torch.optim.SGD``'s rule with dampening 0: weight decay ``g + wd p``; with ``buf`` (the momentum buffer,
+    zeros before the first step, so that its first value is the gradient, as torch's clone of it) ``buf = m buf
+    + g`` and the step along ``buf`` (Nesterov: ``g + m buf``); ``p -= lr * step``.
+    """
+    if cfg.weight_decay != 0:
+        g = g.add(p, alpha=cfg.weight_decay)
+    if buf is not None:
+        buf.mul_(cfg.momentum).add_(g)
+        g = g.add(buf, alpha=cfg.momentum) if cfg.optimizer == "nesterov" else buf
+    p.add_(g, alpha=-cfg.lr)
+
+
+def proximal_gradient_(g: torch.Tensor, p: torch.Tensor, start: torch.Tensor, mu: float) -> torch.Tensor:
+    """FedProx's term added to the gradient ``g`` in place: ``g + mu (p - start)``, the gradient of
+    ``mu/2 ||p - start||^2`` (one definition, per client and for stacked rows)."""
+    return g.add_(p - start, alpha=mu)
+
+
+class SGD(torch.optim.Optimizer):
+    """A client's SGD (plain, momentum, Nesterov, with weight decay) stepping with :func:`sgd_update_`, the rule
+    the batched engine applies to stacked parameters: one definition, the same bits on every engine."""
+
+    def __init__(self, params, cfg: LocalTraining) -> None:
+        super().__init__(params, {"lr": cfg.lr})
+        self.cfg = cfg
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None if closure is None else closure()
+        keeps = self.cfg.optimizer in MOMENTUM
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = None
+                if keeps:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(p)
+                    buf = state["momentum_buffer"]
+                sgd_update_(p, p.grad, buf, self.cfg)
+        return loss
+
+
 def make_optimizer(params, cfg: LocalTraining) -> torch.optim.Optimizer:
-    """Return the configured torch optimiser over ``params``."""
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer in ("momentum", "nesterov"):
-        return torch.optim.SGD(
-            params,
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.optimizer == "nesterov",
-            weight_decay=cfg.weight_decay,
-        )
+    """Return the configured optimiser over ``params``: :class:`SGD` for the SGD family (averaged SGD takes
+    plain SGD steps; ``fedsim.algorithms`` keeps the average of its iterates), torch's Adam."""
+    if cfg.optimizer in ("sgd", "asgd", *MOMENTUM):
+        return SGD(params, cfg)
     if cfg.optimizer == "adam":
         return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optimizer == "asgd":
-        # averaged SGD: plain SGD steps; train_local keeps the Polyak average of the iterates
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     raise ValueError(f"unknown optimizer {cfg.optimizer!r}; allowed: {OPTIMIZERS}")
 
 

@@ -94,3 +94,40 @@ def test_same_generator_seed_same_result():
     for net in nets:
         train_local(net, x, y, cfg, torch.Generator().manual_seed(42))
     assert all(torch.equal(a, b) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
+
+
+@pytest.mark.parametrize(
+    "optimizer, momentum, weight_decay",
+    [
+        ("sgd", 0.0, 0.0),
+        ("sgd", 0.0, 0.01),
+        ("momentum", 0.9, 0.0),
+        ("nesterov", 0.8, 0.001),
+        ("asgd", 0.0, 0.0),
+    ],
+)
+def test_fedsims_sgd_is_torchs_sgd_bit_for_bit(optimizer, momentum, weight_decay):
+    """``fedsim.local.SGD`` (the rule the batched engine applies to stacked rows) against ``torch.optim.SGD``."""
+    import torch
+
+    from fedsim.local import LocalTraining, make_optimizer
+
+    cfg = LocalTraining(optimizer=optimizer, lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(3, generator=gen)]
+    grads = [[torch.randn_like(p) for p in start] for _ in range(4)]
+    ours = [p.clone().requires_grad_() for p in start]
+    theirs = [p.clone().requires_grad_() for p in start]
+    opt = make_optimizer(ours, cfg)
+    kw = (
+        {"momentum": momentum, "nesterov": optimizer == "nesterov"}
+        if optimizer in ("momentum", "nesterov")
+        else {}
+    )
+    ref = torch.optim.SGD(theirs, lr=0.1, weight_decay=weight_decay, **kw)
+    for step in grads:
+        for o, t, g in zip(ours, theirs, step):
+            o.grad, t.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+        assert all(torch.equal(o, t) for o, t in zip(ours, theirs))

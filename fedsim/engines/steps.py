@@ -1,5 +1,5 @@
-"""The batched SGD step of the vectorized engine (``torch.optim.SGD`` written out for stacked parameters, FedProx's
-anchor included) and its CUDA graph."""
+"""The batched SGD step of the vectorized engine (the gradients of the cohort's stacked parameters, then
+``fedsim.local``'s SGD rule and FedProx's term, the ones a client's own training applies) and its CUDA graph."""
 
 from __future__ import annotations
 
@@ -7,14 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fedsim.local import proximal_gradient_, sgd_update_
+
 if TYPE_CHECKING:
     from fedsim.engines.vectorized import _Client
 
 
 def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:
     """One SGD step of the first ``k = len(w)`` clients in place: gradients (the dense step, or autograd
-    through ``forward``), FedProx's term, weight decay, momentum / Nesterov (buffers start at zero, so the
-    first step's buffer is the gradient, as in ``torch.optim.SGD``), the update; losses added to ``loss_sum``."""
+    through ``forward``), then FedProx's term and the SGD rule of ``fedsim.local`` (``bufs``: momentum buffers,
+    zeros before the first step) on each stacked parameter; losses added to ``loss_sum``."""
     k, width = w.shape
     if step is not None:  # an MLP on cross-entropy: the hand-written batched step
         per_client, by_name = step({n: params[n][:k] for n in names}, xb, yb, w)
@@ -30,13 +32,8 @@ def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, los
         for n, g in zip(names, grads):
             p = params[n][:k]
             if anchor is not None:
-                g = g + mu * (p - anchor[n][:k])
-            if local.weight_decay != 0:
-                g = g.add(p, alpha=local.weight_decay)
-            if bufs:
-                buf = bufs[n][:k].mul_(local.momentum).add_(g)  # 0 * m + g = g exactly on the first step
-                g = g.add(buf, alpha=local.momentum) if local.optimizer == "nesterov" else buf
-            p.add_(g, alpha=-local.lr)
+                g = proximal_gradient_(g, p, anchor[n][:k], mu)
+            sgd_update_(p, g, bufs[n][:k] if bufs else None, local)
 
 
 class _StepGraph:
