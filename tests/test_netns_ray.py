@@ -11,7 +11,7 @@ Where each ClientApp task ran is read from Ray's own logs: the nodes run with ``
 whose core workers log every task they execute in their node's session folder. The nodes are started with the
 Python running the tests (``python -m ray.scripts.scripts``, what the ``ray`` command runs): Ray's workers
 import fedsim with their node's interpreter. Skipped where ``ip netns`` cannot be used or Ray is missing.
-About 45 s on 2 cores.
+About 40 s on 2 cores (70 s on a loaded machine).
 """
 
 from __future__ import annotations
@@ -241,21 +241,20 @@ def test_a_worker_killed_mid_run_stops_the_run_in_one_line(tmp_path, cluster):
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    last = err.strip().splitlines()[-1]
     assert proc.returncode == 1, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("fedsim")]  # Flower logs its own before
+    assert len(ours) == 1, ours
+    last = ours[0]
     assert last.startswith(
-        "fedsim: run failed: Ray lost a ClientApp actor, its process or its node died (Actor"
-    ), last
+        "fedsim: run failed: Ray lost a ClientApp actor, its process or its node died (Act"
+    )
     assert "resume=RUN_FOLDER" in last
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("Ray lost a ClientApp actor")
     assert 1 <= summary["rounds_done"] < 30
     assert stopped < 60, stopped
-    print(
-        f"\nworker killed after round {summary['rounds_done']}: the run stopped {stopped:.1f} s later, ",
-        end="",
-    )
-    print(f"{len(err.splitlines())} stderr lines, the last: {last[:160]}")
+    done = summary["rounds_done"]
+    print(f"\nworker killed after round {done}: the run stopped {stopped:.1f} s later with {last[:120]}")
 
 
 # ------------------------------------------------------- without a cluster: the engine's lost-actor rule
