@@ -245,9 +245,8 @@ def test_a_worker_killed_mid_run_stops_the_run_in_one_line(tmp_path, cluster):
     ours = [line for line in err.splitlines() if line.startswith("fedsim")]  # Flower logs its own before
     assert len(ours) == 1, ours
     last = ours[0]
-    assert last.startswith(
-        "fedsim: run failed: Ray lost a ClientApp actor, its process or its node died (Act"
-    )
+    lost = "fedsim: run failed: Ray lost a ClientApp actor, its process or its node died (Actor"
+    assert last.startswith(lost), last
     assert "resume=RUN_FOLDER" in last
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["error"].startswith("Ray lost a ClientApp actor")
