@@ -20,6 +20,7 @@ SERVICES_FILES = (
     "test_ray_cluster.py",
     "test_netns.py",
     "test_netns_churn.py",
+    "test_netns_ray.py",
 )
 SERVICES_NAMES = re.compile(r"ray|simulation|sigterm|sigkill|signal|ctrl_c|interrupt")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -27,12 +28,24 @@ from fedsim.grid_utils import GridView, first_line
 
 log = logging.getLogger("fedsim")
 POLL = 0.05  # seconds between polls of the simulation's grid
+# Flower's error reply for a ClientApp actor that Ray lost (its worker or node died, or it cannot be reached)
+LOST_ACTOR = re.compile(r"<class 'ray\.exceptions\.(ActorDiedError|ActorUnavailableError|RayActorError)'>")
+
+
+def lost_actor(reply) -> str | None:
+    """One line when ``reply`` is Flower's error reply for a ClientApp actor Ray lost; None otherwise."""
+    if not reply.has_error() or not LOST_ACTOR.match(str(reply.error.reason)):
+        return None
+    return first_line(reply.error.reason)
 
 
 class _StoppableGrid(GridView):
     """Flower's in-memory grid, whose waits end with ``RunError`` once the simulation engine has failed.
 
     Without it the ServerApp thread would wait for nodes or replies until ``node_timeout`` after Ray gave up.
+    A reply saying a ClientApp actor is lost (e.g. its cluster node died) also stops the run with one line:
+    Flower keeps the lost actor in its pool and hands it a share of every later round's messages, each failing
+    at once, so the run would go on with fewer clients than asked and a result that silently differs.
     """
 
     def __init__(self, grid: Grid, failed: threading.Event) -> None:
@@ -49,7 +62,15 @@ class _StoppableGrid(GridView):
 
     def pull_messages(self, message_ids):
         self._check()
-        return self._grid.pull_messages(message_ids)
+        replies = list(self._grid.pull_messages(message_ids))
+        for reply in replies:
+            if (why := lost_actor(reply)) is not None:
+                raise RunError(
+                    f"Ray lost a ClientApp actor, its process or its node died ({why}): the run stops "
+                    "rather than go on without that actor's clients; rerun it, or continue with "
+                    "resume=RUN_FOLDER if checkpoint_every was set"
+                )
+        return replies
 
     def send_and_receive(self, messages, *, timeout=None):
         ids = set(self.push_messages(messages))
@@ -224,6 +245,8 @@ def run(num_clients: int, server_main: Callable[[Grid], None], backend: dict) ->
         )
     except RuntimeError as e:
         failed.set()  # ends the ServerApp thread's waits at once
+        if isinstance(e, RunError):
+            raise  # the ServerApp thread's own, which Flower re-raises as it was
         if isinstance(e.__cause__, (RunError, ConfigError)):
             raise e.__cause__ from None
         raise RunError(f"the Ray simulation failed: {first_line(str(e.__cause__ or e))}") from None
