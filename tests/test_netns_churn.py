@@ -269,6 +269,7 @@ def test_ten_nodes_leaving_and_joining(fed10):
                     ok = err.startswith("timeout:") if kind == "cut" else "Unavailable" in err
                     assert ok, (r, n, kind, err)
     check_back(away, by_round, trained, watch)
+    check_present(away, by_round, trained, watch)
 
 
 def check_back(away: dict, by_round: dict, trained: dict, watch: RoundWatch) -> None:
@@ -281,3 +282,16 @@ def check_back(away: dict, by_round: dict, trained: dict, watch: RoundWatch) -> 
             took.append((n, kind, first))
             assert first is not None and first <= BACK_WITHIN[kind], (n, kind, joined, later[:4], first)
     print("rounds until trained again (node, kind, n-th round after the join):", took)
+
+
+def check_present(away: dict, by_round: dict, trained: dict, watch: RoundWatch) -> None:
+    """A node connected for the whole round, and past its ``BACK_WITHIN`` rounds after a join, trained in it."""
+    for r in by_round:
+        for n, spans in away.items():
+            busy = [
+                (kind, left, joined)
+                for kind, left, joined in spans
+                if left < watch.seen[r]  # it left before the round's record (else it was there all along)
+                and r <= max(k for k in by_round if watch.seen[k - 1] <= joined) + BACK_WITHIN[kind]
+            ]
+            assert busy or n in trained[r], (r, n, spans)
