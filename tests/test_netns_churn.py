@@ -15,8 +15,9 @@ is asked every round, nodes leave and join at round boundaries on a seeded sched
 Every round's record must agree with who was connected: its replies name the ten nodes, each trained or
 failed, never both; a node gone for the whole round has no update and a failure naming it (``unavailable``
 once it left, ``timeout`` while cut); a node back trains again within ``BACK_WITHIN`` rounds; replies.jsonl
-holds each update once. About 2-2.5 minutes on 2 cores beside another busy process (figures in
-docs/deploy.md). Needs root and iproute2 (skipped with the reason otherwise).
+holds each update once; a node connected for a whole round, past those rounds, trained in it. The whole file
+took 167-170 s on 2 cores beside a busy process (two runs; figures in docs/deploy.md, "Across machines").
+Needs root and iproute2 (skipped with the reason otherwise).
 """
 
 from __future__ import annotations
