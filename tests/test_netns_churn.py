@@ -16,7 +16,7 @@ Every round's record must agree with who was connected: its replies name the ten
 failed, never both; a node gone for the whole round has no update and a failure naming it (``unavailable``
 once it left, ``timeout`` while cut); a node back trains again within ``BACK_WITHIN`` rounds; replies.jsonl
 holds each update once; a node connected for a whole round, past those rounds, trained in it. The whole file
-took 167-170 s on 2 cores beside a busy process (two runs; figures in docs/deploy.md, "Across machines").
+took 167-171 s on 2 cores beside a busy process (three runs; figures in docs/deploy.md, "Across machines").
 Needs root and iproute2 (skipped with the reason otherwise).
 """
 
@@ -29,6 +29,7 @@ import shlex
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import netns
 import pytest
@@ -41,7 +42,8 @@ from fedsim.procs import descendants
 
 NODES, ROUNDS, SEED = 10, 30, 42
 ROUND_TIMEOUT = 10  # seconds: a round inside a cut waits this long for the cut nodes
-POLL = 0.5  # a SuperNode's idle poll (s): ten nodes polling every 0.25 s cost the SuperLink a core's share
+POLL = 0.5  # a SuperNode's idle poll (s): half the idle requests of the 0.25 s the other namespace tests use
+TASK_POLL = 0.25  # a SuperExec's task poll (s; fedsim's warm one: 0.05, ten of them idle: 0.4 of a core)
 RETRY = 1.0  # longest wait (s) between a SuperNode's (or a SuperExec's) reconnection attempts
 STAY = 3  # rounds a node stays after its join before it may leave again
 BACK_WITHIN = {"stop": 2, "cut": 2, "restart": 3}  # rounds that start after a join, by kind of leave
@@ -105,7 +107,7 @@ class ChurnFederation(NetFederation):
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.ports: dict[int, int] = {}
-        self.secret: dict[int, object] = {}
+        self.secret: dict[int, Path] = {}
         self.node: dict[int, str] = {}  # node -> the name of its SuperNode process now
         self.warm: dict[int, str] = {}
         self.starts: Counter = Counter()
@@ -193,9 +195,7 @@ def fed10(tmp_path_factory):
                 root / "work", sec, host=netns.HUB_IP, cwd=root, echo=lambda _: None, hosts=hosts
             )
             f.root = root
-            f.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = (
-                "0.25"  # ten warm SuperExecs polling at 0.05 s: a core
-            )
+            f.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = f"{TASK_POLL:g}"
             try:
                 for i in range(NODES):  # their imports overlap the SuperLink's start; they wait for a node
                     f.start_warm(i)
