@@ -349,6 +349,20 @@ def _class_name(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+# Modules whose classes moved (old -> new): a checkpoint written before the move names a class by its old module.
+MOVED_MODULES = {
+    "fedsim.attacks": "fedsim.features.attacks.server",
+    "fedsim.compression": "fedsim.features.compression.server",
+    "fedsim.selection": "fedsim.features.selection.server",
+}
+
+
+def current_name(name: str) -> str:
+    """A class path as a checkpoint stored it, under the module its class lives in now."""
+    module, _, cls = name.rpartition(".")
+    return f"{MOVED_MODULES.get(module, module)}.{cls}"
+
+
 def _leaves(node: object, out: set[int]) -> set[int]:
     out.add(id(node))
     if isinstance(node, dict):
@@ -457,7 +471,7 @@ def load_plain_state(strategy: object, saved: dict[str, Any]) -> None:
 
     check_plain_state(saved)
     here = _class_name(strategy)
-    if saved["class"] != here:
+    if current_name(saved["class"]) != here:
         raise ConfigError(
             "resume",
             saved["class"],

@@ -13,9 +13,10 @@ from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
-from fedsim import attacks, build, build_server, comm, keys, messages, seeds
+from fedsim import build, build_server, comm, keys, messages, seeds
 from fedsim.aggregate import weighted_mean
 from fedsim.engines.vectorized import VectorizedGrid
+from fedsim.features.attacks import server as attacks
 from fedsim.grid_utils import screen_replies
 from fedsim.messages import Cohort, array_record, device_mean
 from fedsim.records import average_metrics, to_record

@@ -1,0 +1,1 @@
+"""Client-side clipping: the client half of clipping and DP."""
