@@ -354,6 +354,8 @@ MOVED_MODULES = {
     "fedsim.attacks": "fedsim.features.attacks.server",
     "fedsim.compression": "fedsim.features.compression.server",
     "fedsim.selection": "fedsim.features.selection.server",
+    **{f"fedsim.strategies.{f}": f"fedsim.features.{f}.server" for f in ("scaffold", "feddyn", "personal")},
+    **{f"fedsim.algorithms.{f}": f"fedsim.features.{f}.client" for f in ("scaffold", "feddyn", "personal")},
 }
 
 

@@ -108,9 +108,9 @@ def test_dp_scaffold_through_flower_classes_is_refused_too():
     """The check works on objects, not config names: a user's own SCAFFOLD subclass is refused as well."""
     from strategy_helpers import flower_kwargs
 
-    from fedsim.algorithms.scaffold import Scaffold as ScaffoldClient
+    from fedsim.features.scaffold.client import Scaffold as ScaffoldClient
+    from fedsim.features.scaffold.server import Scaffold
     from fedsim.strategies.clipping import FixedClipping
-    from fedsim.strategies.scaffold import Scaffold
 
     class MyScaffold(Scaffold):
         pass
@@ -167,7 +167,7 @@ def test_the_privacy_pages_table_is_the_generated_one():
             assert dp_cell.startswith("privatised") and "refused without" in dp_cell, row
             continue
         assert dp_cell.startswith("refused") == (strategy in DP_REFUSED), row
-    assert re.search(r"client._target_=fedsim.algorithms.scaffold.Scaffold` .*\| refused", table)
+    assert re.search(r"client._target_=fedsim.features.scaffold.client.Scaffold` .*\| refused", table)
 
 
 def test_two_wrappers_that_both_draw_the_cohort_are_refused_from_their_declarations():

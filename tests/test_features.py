@@ -11,6 +11,8 @@ import pytest
 import torch
 from helpers import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 
+from fedsim import checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("fedsim_layers", ROOT / "bench" / "layers.py")
 layers = importlib.util.module_from_spec(_spec)
@@ -102,21 +104,41 @@ def _as_before_the_move(node):
 
 
 @pytest.mark.slow
-def test_a_checkpoint_written_before_the_move_resumes_bit_identical(tmp_path):
-    """A run folder whose checkpoint names ``fedsim.attacks.SignFlip`` (its config's ``_target_`` and the
-    wrapper's stored class) resumes, and the resumed run equals the run made in one go."""
-    over = ["attack=sign_flip", "attack.fraction=0.3", "checkpoint_every=1"]
+@pytest.mark.parametrize(
+    "feature, old",
+    [
+        (["attack=sign_flip", "attack.fraction=0.3"], "fedsim.attacks.SignFlip"),
+        (["strategy=scaffold"], "fedsim.strategies.scaffold.Scaffold"),
+    ],
+)
+def test_a_checkpoint_written_before_the_move_resumes_bit_identical(tmp_path, feature, old):
+    """A run folder whose checkpoint names a moved class by its old path (``fedsim.attacks.SignFlip`` or
+    ``fedsim.strategies.scaffold.Scaffold``: its config's ``_target_`` and the stored strategy state) resumes,
+    and the resumed run equals the run made in one go (SCAFFOLD's clients keep their control variates)."""
+    over = [*feature, "checkpoint_every=1"]
     full, part, resumed = tmp_path / "full", tmp_path / "part", tmp_path / "resumed"
     run_tiny(full, *over, "num_rounds=3")
     run_tiny(part, *over, "num_rounds=2")
     path = part / "checkpoint.pt"
-    ckpt = torch.load(path, weights_only=True)
-    old = {k: (_as_before_the_move(v) if k in ("config", "strategy_attrs") else v) for k, v in ckpt.items()}
-    assert old["config"]["attack"]["_target_"] == "fedsim.attacks.SignFlip"
-    assert "fedsim.attacks.SignFlip" in json.dumps(old["strategy_attrs"])
-    torch.save(old, path)
+    ckpt = checkpoint._torch_load(path)  # the file as written, plain data
+    before = {
+        k: (_as_before_the_move(v) if k in ("config", "strategy_attrs") else v) for k, v in ckpt.items()
+    }
+    targets = [section.get("_target_") for section in before["config"].values() if isinstance(section, dict)]
+    assert old in targets and old in json.dumps(before["strategy_attrs"])
+    torch.save(before, path)
     summary = run_tiny(resumed, *over, "num_rounds=3", f"resume={path}")
     assert summary["rounds_done"] == 3
     assert without_wall_time(read_metrics(resumed)) == without_wall_time(read_metrics(full))
     a, b = torch.load(resumed / "model.pt"), torch.load(full / "model.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_feature_folder_is_a_package_the_wheel_ships():
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    folders = [p.parent for p in (ROOT / "fedsim" / "features").rglob("__init__.py")]
+    assert len(folders) >= 9
+    for folder in folders:
+        assert ".".join(folder.relative_to(ROOT).parts) in packages, folder.name
