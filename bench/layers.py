@@ -78,7 +78,10 @@ SERVER_SIDE = (
     "fedsim.strategies.base",
     "fedsim.strategies.composition",
     "fedsim.strategies.wrapper",
-    "fedsim.strategies.clip_wrapper",
+    "fedsim.features.clipping.wrapper",
+    "fedsim.features.clipping.rows",
+    "fedsim.features.clipping.accounting",
+    "fedsim.features.clipping.privacy_table",
 )
 CLIENT_APP = "fedsim.client_app"
 

@@ -356,6 +356,8 @@ MOVED_MODULES = {
     "fedsim.selection": "fedsim.features.selection.server",
     **{f"fedsim.strategies.{f}": f"fedsim.features.{f}.server" for f in ("scaffold", "feddyn", "personal")},
     **{f"fedsim.algorithms.{f}": f"fedsim.features.{f}.client" for f in ("scaffold", "feddyn", "personal")},
+    "fedsim.strategies.clipping": "fedsim.features.clipping.server",
+    "fedsim.strategies.clip_wrapper": "fedsim.features.clipping.wrapper",
 }
 
 

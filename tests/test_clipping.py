@@ -12,8 +12,8 @@ from strategy_helpers import configure, flower_kwargs, make_replies, make_reply,
 from fedsim import keys
 from fedsim.aggregate import l2_norm, subtract
 from fedsim.errors import ConfigError, StopRun
-from fedsim.strategies.accounting import RoundAccountant
-from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
+from fedsim.features.clipping.accounting import RoundAccountant
+from fedsim.features.clipping.server import AdaptiveClipping, FixedClipping
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.fedavgm import FedAvgM
 from fedsim.strategies.fedmedian import FedMedian

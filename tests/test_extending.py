@@ -565,7 +565,7 @@ SUBCLASSES = '''
 import numpy as np
 
 from fedsim.features.attacks.server import SignFlip
-from fedsim.strategies.clipping import FixedClipping
+from fedsim.features.clipping.server import FixedClipping
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.krum import Krum
 

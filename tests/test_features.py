@@ -109,6 +109,7 @@ def _as_before_the_move(node):
     [
         (["attack=sign_flip", "attack.fraction=0.3"], "fedsim.attacks.SignFlip"),
         (["strategy=scaffold"], "fedsim.strategies.scaffold.Scaffold"),
+        (["clipping=fixed", "clipping.clip_norm=0.5"], "fedsim.strategies.clipping.FixedClipping"),
     ],
 )
 def test_a_checkpoint_written_before_the_move_resumes_bit_identical(tmp_path, feature, old):

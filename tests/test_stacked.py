@@ -355,7 +355,7 @@ def test_the_attack_and_clipping_on_the_cohort_are_their_closed_forms():
     """SignFlip then fixed clipping, on a cohort: the attackers' rows become ``x - d``, every update is clipped
     to ``C`` (numpy's closed form, ``aggregate.clip``) and FedAvg takes the weighted mean of ``x + clip(d)``."""
     from fedsim.aggregate import clip
-    from fedsim.strategies.clipping import FixedClipping
+    from fedsim.features.clipping.server import FixedClipping
 
     cohort = _stacked(5, seed=5)
     x = {n: t[0].numpy() * 0.5 for n, t in cohort.arrays.items()}

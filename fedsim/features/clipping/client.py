@@ -1,6 +1,6 @@
 """Client-side clipping, the client half of clipping and DP: the update ``model - start`` clipped to L2 norm
 ``C`` before it is sent, when the train config asks for it (fedsim's ``clip-norm``, set by
-``fedsim.strategies.clipping``'s wrappers, or Flower's ``clipping_norm`` from Flower's client-side DP
+``fedsim.features.clipping.server``'s wrappers, or Flower's ``clipping_norm`` from Flower's client-side DP
 strategies). ``fedsim.build`` puts it in every run's chain: a Flower strategy that is not fedsim's may ask.
 """
 
