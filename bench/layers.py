@@ -8,7 +8,7 @@ Every ``import`` of a fedsim module counts, at module level or inside a function
 dependency); ``if TYPE_CHECKING:`` blocks do not. ``tests/test_layers.py`` holds the targets.
 
 Units and layers. A unit is a sub-folder of the package (``algorithms/``, ``data/``, ``deploy/``, ``engines/``,
-and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module of ``fedsim/``.
+``features/`` and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module of ``fedsim/``.
 ``LAYERS`` puts every unit in one named layer, lowest first; a unit imports only units of its own layer or of
 a layer below, and units import one another in no circle. The order, and why:
 
@@ -23,13 +23,24 @@ wire
     them, the train message and the Cohort, byte counting and codecs, the one reply screen, grid helpers.
     Client and server halves both speak it, so it sits below both.
 client
-    The client halves: client algorithms (``algorithms/``), fault injection, the training loop.
+    The client side's framework: the client algorithm's contract and the client halves' (``algorithms/``:
+    base, halves with the ClientChain, state), the training loop. It names no feature: the run spec names the
+    halves (class paths ``fedsim.build`` writes from the classes the server halves import), and the chain
+    builds them the way a ``_target_`` is built.
 server
-    The server halves: strategies and their wrappers' base (``strategies/``), the node binding's gate. A
-    two-half feature's server half imports its client half (``strategies/scaffold.py`` imports
-    ``algorithms/scaffold.py``), never the other way round: the ClientApp runs without server code.
+    The server side's framework: the strategies that stand alone and the wrappers' base (``strategies/``),
+    the node binding's gate.
 features
-    Features built as wrappers on the two halves: attacks, compression, client selection, simulated time.
+    One folder per feature holding both its halves (``features/<feature>/``: ``client.py``, ``server.py``):
+    attacks, compression, selection, clipping and DP, faults, SCAFFOLD, FedDyn, Ditto and FedPer; and simulated
+    time. A feature needs the client framework and the server framework, so it sits above both, and keeping
+    its halves together puts one feature in one place instead of one half in each framework. The server half
+    imports its client half (``client_half = FlipLabels``), never the other way round; no ``__init__`` in
+    ``features/`` imports anything, so a ClientApp that builds a client half loads no server code
+    (``SERVER_SIDE`` and :func:`is_server_side` name the server halves).
+aliases
+    The old import paths of moved features (``fedsim.attacks``, ``compression``, ``selection``, ``faults``):
+    names re-exported from ``features/``, above it, for users' configs and code; nothing of fedsim imports them.
 outputs
     What a run writes and reads back: metrics files, figures, callbacks, checkpoints, the run folder.
 assembly

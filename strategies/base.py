@@ -24,12 +24,12 @@ capability                    meaning
 :class:`ReportsSummary`       ``summary_fields()`` returns entries for summary.json (e.g. the privacy
                               guarantee: epsilon, delta, accountant, sampling).
 :class:`SelectsCohort`       ``select_cohort(server_round, num_clients, clients_per_round, losses, sizes)``:
-                              a selection rule (``fedsim.selection``, e.g. power of choice) picks the
+                              a selection rule (``fedsim.features.selection``, e.g. power of choice) picks the
                               cohort, asking candidates for their loss through ``losses(partition_ids)``.
 :class:`DecodesReplies`      ``decode_replies(replies, current)``: replies carry compressed updates
-                              (``fedsim.compression``); the loop decodes them before screening.
+                              (``fedsim.features.compression``); the loop decodes them before screening.
 :class:`ReportsRound`       ``round_fields(partition_ids)``: metrics.jsonl fields about a round's valid
-                              replies, by their partition ids (e.g. ``fedsim.attacks``' ``malicious``, the
+                              replies, by their partition ids (e.g. ``fedsim.features.attacks``' ``malicious``, the
                               attackers among them); a wrapper adds its own to the inner strategy's.
 :class:`ReleasesEveryRound`  ``releases_every_round`` (a property, True for DP's wrapper with noise, found
                               through the wrapper chain): every sampled round releases a model. The loop
@@ -94,7 +94,7 @@ class SamplesCohort(Protocol):
 
 @runtime_checkable
 class SelectsCohort(Protocol):
-    """A client-selection rule (``fedsim.selection``) that may probe clients before choosing the cohort."""
+    """A client-selection rule (``fedsim.features.selection``) that may probe clients before choosing the cohort."""
 
     def select_cohort(
         self,
@@ -108,7 +108,7 @@ class SelectsCohort(Protocol):
 
 @runtime_checkable
 class DecodesReplies(Protocol):
-    """A compression wrapper (``fedsim.compression``): replies carry encoded updates the loop decodes first."""
+    """A compression wrapper (``fedsim.features.compression``): replies carry encoded updates the loop decodes first."""
 
     def decode_replies(self, replies: Iterable[Message], current: Any) -> list[Message]: ...
 

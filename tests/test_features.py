@@ -143,3 +143,11 @@ def test_every_feature_folder_is_a_package_the_wheel_ships():
     assert len(folders) >= 9
     for folder in folders:
         assert ".".join(folder.relative_to(ROOT).parts) in packages, folder.name
+
+
+def test_nothing_of_fedsim_imports_the_old_paths():
+    """``fedsim.attacks`` and friends are aliases for users: fedsim's own modules import the features."""
+    aliases = {"fedsim.attacks", "fedsim.compression", "fedsim.selection", "fedsim.faults"}
+    edges = layers.graph()
+    assert aliases <= set(edges)
+    assert not sorted((m, t) for m, targets in edges.items() for t in targets if t in aliases)

@@ -46,7 +46,7 @@ class Reply:
     ins: Any  # fedsim.messages.TrainInstruction
     partition_id: int
     seed: int
-    faults: Any = None  # fedsim.faults.FaultRates or None
+    faults: Any = None  # fedsim.features.faults.client.FaultRates or None
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, np.ndarray] = field(default_factory=dict)
 
