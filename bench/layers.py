@@ -8,9 +8,9 @@ Every ``import`` of a fedsim module counts, at module level or inside a function
 dependency); ``if TYPE_CHECKING:`` blocks do not. ``tests/test_layers.py`` holds the targets.
 
 Units and layers. A unit is a sub-folder of the package (``algorithms/``, ``data/``, ``deploy/``, ``engines/``,
-``features/`` and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module of ``fedsim/``.
-``LAYERS`` puts every unit in one named layer, lowest first; a unit imports only units of its own layer or of
-a layer below, and units import one another in no circle. The order, and why:
+``features/`` and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module
+of ``fedsim/``. ``LAYERS`` puts every unit in one named layer, lowest first; a unit imports only units of its
+own layer or of a layer below, and units import one another in no circle. The order, and why:
 
 core
     The vocabulary both sides share and no feature owns: errors, keys, seeds, range checks, config
@@ -32,15 +32,16 @@ server
     the node binding's gate.
 features
     One folder per feature holding both its halves (``features/<feature>/``: ``client.py``, ``server.py``):
-    attacks, compression, selection, clipping and DP, faults, SCAFFOLD, FedDyn, Ditto and FedPer; and simulated
-    time. A feature needs the client framework and the server framework, so it sits above both, and keeping
-    its halves together puts one feature in one place instead of one half in each framework. The server half
-    imports its client half (``client_half = FlipLabels``), never the other way round; no ``__init__`` in
-    ``features/`` imports anything, so a ClientApp that builds a client half loads no server code
-    (``SERVER_SIDE`` and :func:`is_server_side` name the server halves).
+    attacks, compression, selection, clipping and DP, faults, SCAFFOLD, FedDyn, Ditto and FedPer; and
+    simulated time. A feature needs the client framework and the server framework, so it sits above both, and
+    keeping its halves together puts one feature in one place instead of one half in each framework. The
+    server half imports its client half (``client_half = FlipLabels``), never the other way round; no
+    ``__init__`` in ``features/`` imports anything, so a ClientApp that builds a client half loads no server
+    code (``SERVER_SIDE`` and :func:`is_server_side` name the server halves).
 aliases
     The old import paths of moved features (``fedsim.attacks``, ``compression``, ``selection``, ``faults``):
-    names re-exported from ``features/``, above it, for users' configs and code; nothing of fedsim imports them.
+    names re-exported from ``features/``, above it, for users' configs and code; no fedsim module imports
+    them.
 outputs
     What a run writes and reads back: metrics files, figures, callbacks, checkpoints, the run folder.
 assembly

@@ -1,5 +1,5 @@
-"""The update codecs of ``compression=`` (``fedsim.features.compression``): top-k with error feedback and QSGD, as pure
-functions, and the client's encoding of its reply. A bottom-layer module: the client half
+"""The update codecs of ``compression=`` (``fedsim.features.compression``): top-k with error feedback and
+QSGD, as pure functions, and the client's encoding of its reply. A bottom-layer module: the client half
 (``fedsim.features.compression.client.Compress``) and the server wrapper both use it.
 """
 

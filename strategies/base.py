@@ -29,8 +29,9 @@ capability                    meaning
 :class:`DecodesReplies`      ``decode_replies(replies, current)``: replies carry compressed updates
                               (``fedsim.features.compression``); the loop decodes them before screening.
 :class:`ReportsRound`       ``round_fields(partition_ids)``: metrics.jsonl fields about a round's valid
-                              replies, by their partition ids (e.g. ``fedsim.features.attacks``' ``malicious``, the
-                              attackers among them); a wrapper adds its own to the inner strategy's.
+                              replies, by their partition ids (e.g. ``fedsim.features.attacks``'
+                              ``malicious``, the attackers among them); a wrapper adds its own to the inner
+                              strategy's.
 :class:`ReleasesEveryRound`  ``releases_every_round`` (a property, True for DP's wrapper with noise, found
                               through the wrapper chain): every sampled round releases a model. The loop
                               never skips such a round: it calls ``configure_train`` even for an empty
@@ -94,7 +95,8 @@ class SamplesCohort(Protocol):
 
 @runtime_checkable
 class SelectsCohort(Protocol):
-    """A client-selection rule (``fedsim.features.selection``) that may probe clients before choosing the cohort."""
+    """A client-selection rule (``fedsim.features.selection``) that may probe clients before choosing the
+    cohort."""
 
     def select_cohort(
         self,
@@ -108,7 +110,8 @@ class SelectsCohort(Protocol):
 
 @runtime_checkable
 class DecodesReplies(Protocol):
-    """A compression wrapper (``fedsim.features.compression``): replies carry encoded updates the loop decodes first."""
+    """A compression wrapper (``fedsim.features.compression``): replies carry encoded updates the loop decodes
+    first."""
 
     def decode_replies(self, replies: Iterable[Message], current: Any) -> list[Message]: ...
 
@@ -349,7 +352,8 @@ def _class_name(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-# Modules whose classes moved (old -> new): a checkpoint written before the move names a class by its old module.
+# Modules whose classes moved (old -> new): a checkpoint written before the move names a class by its old
+# module.
 MOVED_MODULES = {
     "fedsim.attacks": "fedsim.features.attacks.server",
     "fedsim.compression": "fedsim.features.compression.server",

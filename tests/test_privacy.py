@@ -2,7 +2,8 @@
 metrics.jsonl holds only private releases about clients, and a DP run resumes with its own noise.
 
 epsilon is recomputed here with dp-accounting directly (the DpEvent is built in this file, not taken from
-``fedsim.features.clipping.accounting``) and compared with what a tiny run wrote into metrics.jsonl and summary.json.
+``fedsim.features.clipping.accounting``) and compared with what a tiny run wrote into metrics.jsonl and
+summary.json.
 """
 
 from __future__ import annotations

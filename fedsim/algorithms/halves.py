@@ -1,11 +1,11 @@
 """Client halves: what a feature does on the client, around local training, beside the client algorithm.
 
 This module is the framework only; the halves themselves live with their features (``fedsim.features``: each
-feature's folder holds its client and server halves). A server-side feature (``fedsim.strategies.wrapper.Wrapper``)
-names its client half in ``client_half`` (the class, or a class path), the way a strategy names its client
-algorithm; ``fedsim.build`` writes the run's list into the client spec (``halves``: class paths, client-side
-clipping and injected faults first), and fedsim's ClientApp builds each the way a ``_target_`` is built and
-applies them in order around every local training:
+feature's folder holds its client and server halves). A server-side feature
+(``fedsim.strategies.wrapper.Wrapper``) names its client half in ``client_half`` (the class, or a class path),
+the way a strategy names its client algorithm; ``fedsim.build`` writes the run's list into the client spec
+(``halves``: class paths, client-side clipping and injected faults first), and fedsim's ClientApp builds each
+the way a ``_target_`` is built and applies them in order around every local training:
 
 1. :meth:`ClientHalf.labels`: the labels the client trains on (label flipping);
 2. local training (the client algorithm's hooks, ``fedsim.algorithms.base``);
@@ -176,8 +176,8 @@ def _chain(paths: tuple[str, ...]) -> tuple[ClientHalf, ...]:
 
 
 def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
-    """The client halves a run spec names, in the order they apply (``spec["halves"]``: ``fedsim.build`` writes
-    client-side clipping and injected faults, then the features' ``client_half``)."""
+    """The client halves a run spec names, in the order they apply (``spec["halves"]``: ``fedsim.build``
+    writes client-side clipping and injected faults, then the features' ``client_half``)."""
     if isinstance(spec, str):
         return _chain_of_json(spec)
     return _chain(tuple(spec.get("halves") or ()))
