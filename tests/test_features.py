@@ -151,3 +151,27 @@ def test_nothing_of_fedsim_imports_the_old_paths():
     edges = layers.graph()
     assert aliases <= set(edges)
     assert not sorted((m, t) for m, targets in edges.items() for t in targets if t in aliases)
+
+
+def test_building_every_shipped_client_half_loads_no_server_code():
+    """At run time too: a process that builds the chain of a spec naming every shipped client half imports no
+    server half and no strategy module (Flower's own package imports its server side whatever fedsim does)."""
+    import subprocess
+    import sys
+
+    from fedsim.build import client_spec
+
+    cfg = compose_cfg(*TINY, "attack=label_flip", "compression=topk", "selection=power_of_choice")
+    spec = client_spec(cfg, "cpu")
+    assert len(json.loads(spec)["halves"]) == 5
+    code = (
+        "import json, sys\n"
+        "from fedsim.algorithms.halves import chain\n"
+        "print(json.dumps([len(chain(sys.stdin.read())), sorted(sys.modules)]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=spec, capture_output=True, text=True, check=True)
+    built, loaded = json.loads(out.stdout)
+    assert built == 5 and "fedsim.features.attacks.client" in loaded
+    mine = [m for m in loaded if m.startswith("fedsim")]
+    server = [m for m in mine if layers.is_server_side(m) or m.startswith("fedsim.strategies.")]
+    assert server == [], server
