@@ -8,9 +8,9 @@ Every ``import`` of a fedsim module counts, at module level or inside a function
 dependency); ``if TYPE_CHECKING:`` blocks do not. ``tests/test_layers.py`` holds the targets.
 
 Units and layers. A unit is a sub-folder of the package (``algorithms/``, ``data/``, ``deploy/``, ``engines/``,
-and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module of ``fedsim/``.
-``LAYERS`` puts every unit in one named layer, lowest first; a unit imports only units of its own layer or of
-a layer below, and units import one another in no circle. The order, and why:
+``features/`` and ``strategies/``, installed as ``fedsim.strategies``), counted whole, or one top-level module
+of ``fedsim/``. ``LAYERS`` puts every unit in one named layer, lowest first; a unit imports only units of its
+own layer or of a layer below, and units import one another in no circle. The order, and why:
 
 core
     The vocabulary both sides share and no feature owns: errors, keys, seeds, range checks, config
@@ -23,13 +23,25 @@ wire
     them, the train message and the Cohort, byte counting and codecs, the one reply screen, grid helpers.
     Client and server halves both speak it, so it sits below both.
 client
-    The client halves: client algorithms (``algorithms/``), fault injection, the training loop.
+    The client side's framework: the client algorithm's contract and the client halves' (``algorithms/``:
+    base, halves with the ClientChain, state), the training loop. It names no feature: the run spec names the
+    halves (class paths ``fedsim.build`` writes from the classes the server halves import), and the chain
+    builds them the way a ``_target_`` is built.
 server
-    The server halves: strategies and their wrappers' base (``strategies/``), the node binding's gate. A
-    two-half feature's server half imports its client half (``strategies/scaffold.py`` imports
-    ``algorithms/scaffold.py``), never the other way round: the ClientApp runs without server code.
+    The server side's framework: the strategies that stand alone and the wrappers' base (``strategies/``),
+    the node binding's gate.
 features
-    Features built as wrappers on the two halves: attacks, compression, client selection, simulated time.
+    One folder per feature holding both its halves (``features/<feature>/``: ``client.py``, ``server.py``):
+    attacks, compression, selection, clipping and DP, faults, SCAFFOLD, FedDyn, Ditto and FedPer; and
+    simulated time. A feature needs the client framework and the server framework, so it sits above both, and
+    keeping its halves together puts one feature in one place instead of one half in each framework. The
+    server half imports its client half (``client_half = FlipLabels``), never the other way round; no
+    ``__init__`` in ``features/`` imports anything, so a ClientApp that builds a client half loads no server
+    code (``SERVER_SIDE`` and :func:`is_server_side` name the server halves).
+aliases
+    The old import paths of moved features (``fedsim.attacks``, ``compression``, ``selection``, ``faults``):
+    names re-exported from ``features/``, above it, for users' configs and code; no fedsim module imports
+    them.
 outputs
     What a run writes and reads back: metrics files, figures, callbacks, checkpoints, the run folder.
 assembly
@@ -78,7 +90,10 @@ SERVER_SIDE = (
     "fedsim.strategies.base",
     "fedsim.strategies.composition",
     "fedsim.strategies.wrapper",
-    "fedsim.strategies.clip_wrapper",
+    "fedsim.features.clipping.wrapper",
+    "fedsim.features.clipping.rows",
+    "fedsim.features.clipping.accounting",
+    "fedsim.features.clipping.privacy_table",
 )
 CLIENT_APP = "fedsim.client_app"
 
@@ -109,9 +124,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("data", ("data/", "partition_cache")),
     ("wire", ("records", "aggregate", "comm", "codecs", "messages", "screen", "grid_utils")),
-    ("client", ("algorithms/", "faults", "training")),
+    ("client", ("algorithms/", "training")),
     ("server", ("strategies/", "node_binding")),
-    ("features", ("attacks", "compression", "selection", "clock")),
+    ("features", ("features/", "clock")),
+    ("aliases", ("attacks", "compression", "selection", "faults")),
     ("outputs", ("figures", "recorder", "callbacks", "checkpoint", "run_folder")),
     ("assembly", ("build", "build_server", "node_data")),
     ("loops", ("server", "async_server")),
@@ -294,7 +310,9 @@ def closure(edges: dict[str, dict[str, bool]], start: str, module_level: bool) -
 
 
 def is_server_side(module: str) -> bool:
-    return any(module == s or module.startswith(s + ".") for s in SERVER_SIDE)
+    """In ``SERVER_SIDE``, or a feature's server half (``fedsim.features.<feature>.server``)."""
+    feature_server = module.startswith("fedsim.features.") and module.endswith(".server")
+    return feature_server or any(module == s or module.startswith(s + ".") for s in SERVER_SIDE)
 
 
 def longest_functions(root: Path = ROOT, n: int = 15) -> list[tuple[int, str]]:

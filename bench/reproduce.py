@@ -627,7 +627,7 @@ def alie_z(s: dict) -> float:
     if a.get("z") is not None:
         return float(a["z"])
     n = int(s["config"]["clients_per_round"])
-    m = max(1, round(a["fraction"] * n))  # as fedsim.attacks: the attackers expected in a cohort
+    m = max(1, round(a["fraction"] * n))  # as fedsim.features.attacks: the attackers expected in a cohort
     return statistics.NormalDist().inv_cdf((n - (math.floor(n / 2 + 1) - m)) / n)
 
 

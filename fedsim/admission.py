@@ -134,8 +134,8 @@ def _int(key: str, lo: int, hi: int) -> Callable[[Any, LocalTraining], None]:
 
 def _rules() -> dict[str, Callable[[Any, LocalTraining], None]]:
     from fedsim import codecs
-    from fedsim.algorithms.feddyn import ALPHA
-    from fedsim.algorithms.personal import DITTO_LAMBDA, FEDPER_LAYERS
+    from fedsim.features.feddyn.client import ALPHA
+    from fedsim.features.personal.client import DITTO_LAMBDA, FEDPER_LAYERS
     from fedsim.messages import FLOWER_EPOCHS, FLOWER_LR
 
     rules = {

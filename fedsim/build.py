@@ -26,7 +26,8 @@ from omegaconf import DictConfig, OmegaConf
 from fedsim import errors
 from fedsim.data.base import Dataset
 from fedsim.errors import ConfigError
-from fedsim.faults import FaultRates
+from fedsim.features.clipping.client import ClientClipping
+from fedsim.features.faults.client import FaultRates, InjectedFaults
 from fedsim.groups import typed
 from fedsim.models import build_model
 from fedsim.seeds import Purpose
@@ -114,6 +115,16 @@ def _instantiate(section: str, node: Any, **kwargs: Any) -> Any:
         raise e.with_prefix(section) from None
 
 
+# Client halves in every run's chain, before those the features name: a Flower strategy that is not fedsim's
+# may ask for client-side clipping, and faults come from the run's own ``faults`` section.
+ALWAYS_HALVES = (ClientClipping, InjectedFaults)
+
+
+def class_path(cls: type | str) -> str:
+    """A class's path (``module.Class``) as a run spec names it; a path given as a string stays as it is."""
+    return cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+
+
 def client_spec(cfg: DictConfig, device: str) -> str:
     """The JSON client spec for a composed run config."""
     spec = {
@@ -121,9 +132,8 @@ def client_spec(cfg: DictConfig, device: str) -> str:
         for k in CLIENT_SPEC_KEYS
         if k in cfg
     }
-    halves = [cls.client_half for _, cls in wrapper_sections(cfg) if cls.client_half]
-    if halves:  # the client halves the run's features name (fedsim.algorithms.halves)
-        spec["halves"] = halves
+    named = [cls.client_half for _, cls in wrapper_sections(cfg) if cls.client_half]
+    spec["halves"] = [class_path(h) for h in (*ALWAYS_HALVES, *named)]  # the ClientChain's, in order
     spec["device"] = device
     spec["threads"] = int(cfg.placement.threads_per_client)
     spec["deterministic"] = bool(cfg.placement.get("deterministic", False))

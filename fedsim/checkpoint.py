@@ -123,6 +123,9 @@ def check_config(ckpt: dict, config: dict, where: str) -> None:
     if saved is None:
         return
     a, b = _flat(saved), _flat(config)
+    a = {
+        k: base.current_name(v) if k.endswith("_target_") and isinstance(v, str) else v for k, v in a.items()
+    }
     for key, value in NEUTRAL_WHEN_ABSENT.items():  # a group the checkpoint predates, at its neutral option
         group = key.split(".")[0] + "."
         if not any(k.startswith(group) for k in a) and b.get(key, value) == value:

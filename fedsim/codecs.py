@@ -1,6 +1,6 @@
-"""The update codecs of ``compression=`` (``fedsim.compression``): top-k with error feedback and QSGD, as pure
-functions, and the client's encoding of its reply. A bottom-layer module: the client half
-(``fedsim.algorithms.halves.Compress``) and the server wrapper both use it.
+"""The update codecs of ``compression=`` (``fedsim.features.compression``): top-k with error feedback and
+QSGD, as pure functions, and the client's encoding of its reply. A bottom-layer module: the client half
+(``fedsim.features.compression.client.Compress``) and the server wrapper both use it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Groups that build objects (``dataset``, ``partitioner``, ``model``, ``strategy``, ``clipping``,
 ``heterogeneity``) go through ``hydra.utils.instantiate``; ``client`` and ``faults`` travel to the clients in
-the run spec and become :class:`fedsim.training.LocalTraining` and :class:`fedsim.faults.FaultRates`. Each
+the run spec and become :class:`fedsim.training.LocalTraining` and
+:class:`fedsim.features.faults.client.FaultRates`. Each
 typed object checks its own values, and :func:`typed` turns an unknown key or a bad value into one
 ``ConfigError`` naming ``group.key``.
 """

@@ -10,7 +10,7 @@ SERVER_ROUND = "server-round"  # set by Flower strategies
 RUN_SPEC = "fedsim-spec"  # JSON of the resolved run config (task, data, client training)
 MODEL_VERSION = "model-version"  # server model version the client starts from
 PROXIMAL_MU = "proximal-mu"  # set by Flower's FedProx
-CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by fedsim.strategies.clipping)
+CLIP_NORM = "clip-norm"  # client-side clipping of the update (set by fedsim.features.clipping.server)
 FLOWER_CLIPPING_NORM = "clipping_norm"  # Flower's client-side DP (flwr.supercore.differential_privacy)
 LABEL_FLIP = "attack-label-flip"  # the partition ids that train on flipped labels (attack=label_flip)
 PROBE_TRAIN = "probe-train-loss"  # evaluate config: report the loss on the training split (selection probes)

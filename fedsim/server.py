@@ -26,6 +26,7 @@ from fedsim import checkpoint, comm, keys, schema
 from fedsim.build import build_splits, local_training
 from fedsim.clock import Heterogeneity
 from fedsim.errors import ConfigError, RunError, StopRun
+from fedsim.features.selection.server import probe_losses
 from fedsim.grid_utils import (
     SampledGrid,
     discover,
@@ -38,7 +39,6 @@ from fedsim.messages import Cohort
 from fedsim.screen import screen_cohort
 from fedsim.seeds import Purpose
 from fedsim.seeds import rng as seeded_rng
-from fedsim.selection import probe_losses
 from fedsim.state import LoopConfig, RunState
 from fedsim.strategies import base
 from fedsim.training import examples_processed, steps_within

@@ -24,13 +24,14 @@ capability                    meaning
 :class:`ReportsSummary`       ``summary_fields()`` returns entries for summary.json (e.g. the privacy
                               guarantee: epsilon, delta, accountant, sampling).
 :class:`SelectsCohort`       ``select_cohort(server_round, num_clients, clients_per_round, losses, sizes)``:
-                              a selection rule (``fedsim.selection``, e.g. power of choice) picks the
+                              a selection rule (``fedsim.features.selection``, e.g. power of choice) picks the
                               cohort, asking candidates for their loss through ``losses(partition_ids)``.
 :class:`DecodesReplies`      ``decode_replies(replies, current)``: replies carry compressed updates
-                              (``fedsim.compression``); the loop decodes them before screening.
+                              (``fedsim.features.compression``); the loop decodes them before screening.
 :class:`ReportsRound`       ``round_fields(partition_ids)``: metrics.jsonl fields about a round's valid
-                              replies, by their partition ids (e.g. ``fedsim.attacks``' ``malicious``, the
-                              attackers among them); a wrapper adds its own to the inner strategy's.
+                              replies, by their partition ids (e.g. ``fedsim.features.attacks``'
+                              ``malicious``, the attackers among them); a wrapper adds its own to the inner
+                              strategy's.
 :class:`ReleasesEveryRound`  ``releases_every_round`` (a property, True for DP's wrapper with noise, found
                               through the wrapper chain): every sampled round releases a model. The loop
                               never skips such a round: it calls ``configure_train`` even for an empty
@@ -94,7 +95,8 @@ class SamplesCohort(Protocol):
 
 @runtime_checkable
 class SelectsCohort(Protocol):
-    """A client-selection rule (``fedsim.selection``) that may probe clients before choosing the cohort."""
+    """A client-selection rule (``fedsim.features.selection``) that may probe clients before choosing the
+    cohort."""
 
     def select_cohort(
         self,
@@ -108,7 +110,8 @@ class SelectsCohort(Protocol):
 
 @runtime_checkable
 class DecodesReplies(Protocol):
-    """A compression wrapper (``fedsim.compression``): replies carry encoded updates the loop decodes first."""
+    """A compression wrapper (``fedsim.features.compression``): replies carry encoded updates the loop decodes
+    first."""
 
     def decode_replies(self, replies: Iterable[Message], current: Any) -> list[Message]: ...
 
@@ -349,6 +352,25 @@ def _class_name(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
+# Modules whose classes moved (old -> new): a checkpoint written before the move names a class by its old
+# module.
+MOVED_MODULES = {
+    "fedsim.attacks": "fedsim.features.attacks.server",
+    "fedsim.compression": "fedsim.features.compression.server",
+    "fedsim.selection": "fedsim.features.selection.server",
+    **{f"fedsim.strategies.{f}": f"fedsim.features.{f}.server" for f in ("scaffold", "feddyn", "personal")},
+    **{f"fedsim.algorithms.{f}": f"fedsim.features.{f}.client" for f in ("scaffold", "feddyn", "personal")},
+    "fedsim.strategies.clipping": "fedsim.features.clipping.server",
+    "fedsim.strategies.clip_wrapper": "fedsim.features.clipping.wrapper",
+}
+
+
+def current_name(name: str) -> str:
+    """A class path as a checkpoint stored it, under the module its class lives in now."""
+    module, _, cls = name.rpartition(".")
+    return f"{MOVED_MODULES.get(module, module)}.{cls}"
+
+
 def _leaves(node: object, out: set[int]) -> set[int]:
     out.add(id(node))
     if isinstance(node, dict):
@@ -457,7 +479,7 @@ def load_plain_state(strategy: object, saved: dict[str, Any]) -> None:
 
     check_plain_state(saved)
     here = _class_name(strategy)
-    if saved["class"] != here:
+    if current_name(saved["class"]) != here:
         raise ConfigError(
             "resume",
             saved["class"],

@@ -7,9 +7,10 @@ folds the wrappers a run's config names around its strategy: every config group 
 :class:`Wrapper` subclass, innermost first by :attr:`Wrapper.fold_order`, so a new feature is a new class and a
 new config group (``fedsim +myfeature=on``), with no edit to the builder, the loops or the engines.
 
-A feature with a client half names it in :attr:`Wrapper.client_half` (a class path of
-``fedsim.algorithms.halves``' contract), the way a strategy names its client algorithm: the run's client spec
-carries it, and the ClientApp and the engines apply it around local training.
+A feature with a client half names it in :attr:`Wrapper.client_half` (the class, of
+``fedsim.algorithms.halves``' contract, or its class path), the way a strategy names its client algorithm: the
+run's client spec carries its path, and the ClientApp and the engines apply it around local training.
+fedsim's own features keep both halves in one folder (``fedsim.features``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Wrapper(Strategy):
         True (the default) when it reads or changes the replies before the strategy aggregates them (in
         :meth:`aggregate_cohort`, its one form); selection leaves them alone.
     ``client_half``
-        The class path of its client half (``fedsim.algorithms.halves.ClientHalf``), or None.
+        Its client half (a ``fedsim.algorithms.halves.ClientHalf`` subclass, or its class path), or None.
     ``run_arguments``
         The run's values it is built with besides its config: any of ``num_clients``, ``clients_per_round``,
         ``seed`` (``fedsim.build`` passes those its constructor names).
@@ -48,7 +49,7 @@ class Wrapper(Strategy):
 
     fold_order: ClassVar[float] = 50
     touches_replies: ClassVar[bool] = True
-    client_half: ClassVar[str | None] = None
+    client_half: ClassVar[type | str | None] = None
     wraps: ClassVar[str] = "synchronous aggregation"
     async_reason: ClassVar[str] = (
         "it wraps synchronous aggregation"  # why an asynchronous strategy is refused

@@ -122,9 +122,9 @@ def test_scaffold_clients_fall_back_from_the_vectorized_engine(tmp_path):
 
 def test_a_strategy_gets_its_client_half_and_bad_pairs_are_one_line(tmp_path):
     with pytest.raises(
-        ConfigError, match=r"^client._target_='fedsim.algorithms.scaffold.Scaffold' .*needs strategy"
+        ConfigError, match=r"^client._target_='fedsim.features.scaffold.client.Scaffold' .*needs strategy"
     ):
-        run_tiny(tmp_path / "a", "+client._target_=fedsim.algorithms.scaffold.Scaffold")
+        run_tiny(tmp_path / "a", "+client._target_=fedsim.features.scaffold.client.Scaffold")
     with pytest.raises(
         ConfigError, match=r"^client._target_='nope.Algo' is not allowed: expected a client algorithm"
     ):

@@ -11,9 +11,9 @@ import torch
 from helpers import TINY, compose_cfg, read_metrics, run_tiny
 from strategy_helpers import make_reply, numpy_of, run_round
 
-from fedsim import attacks
 from fedsim.errors import ConfigError
 from fedsim.experiment import build_experiment
+from fedsim.features.attacks import server as attacks
 from fedsim.server import sample_cohort
 from fedsim.strategies.fedavg import FedAvg
 
@@ -179,15 +179,15 @@ def test_run_records_the_malicious_replies_of_each_round(tmp_path):
 
 @pytest.mark.slow
 def test_label_flip_trains_the_attackers_on_flipped_labels(tmp_path):
-    from fedsim.algorithms import halves
     from fedsim.build import client_spec, client_task
+    from fedsim.features.attacks.client import FlipLabels
     from fedsim.messages import TrainInstruction
 
     cfg = compose_cfg(*TINY)
     spec = client_spec(cfg, "cpu")
     task = client_task(spec, 2)
-    half = halves.LabelFlip()  # attack=label_flip's client half, as fedsim's ClientApp applies it
-    assert attacks.LabelFlip.client_half == "fedsim.algorithms.halves.LabelFlip"
+    half = FlipLabels()  # attack=label_flip's client half, as fedsim's ClientApp applies it
+    assert attacks.LabelFlip.client_half is FlipLabels
     flipping = TrainInstruction(spec, unhandled={attacks.LABEL_FLIP: [2, 4]})
     assert half.active(flipping) and torch.equal(half.labels(flipping, 2, task.y_train, 10), 9 - task.y_train)
     other = TrainInstruction(spec, unhandled={attacks.LABEL_FLIP: [4]})

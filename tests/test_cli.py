@@ -351,7 +351,7 @@ def test_a_plus_key_nothing_reads_is_refused_in_one_line(plus):
     [
         ["+strategy.foo=1"],  # a parameter of a group's section: the builder names it if the target lacks it
         ["strategy=fedbuff", "+strategy.alpha=0.5"],
-        ["+client._target_=fedsim.algorithms.scaffold.Scaffold"],
+        ["+client._target_=fedsim.features.scaffold.client.Scaffold"],
         ["+heterogeneity.speeds=[1.0,0.5]"],
         ["+partitioner.self_balancing=true"],
         ["attack=alie", "++attack.knowledge=own"],

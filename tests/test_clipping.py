@@ -12,8 +12,8 @@ from strategy_helpers import configure, flower_kwargs, make_replies, make_reply,
 from fedsim import keys
 from fedsim.aggregate import l2_norm, subtract
 from fedsim.errors import ConfigError, StopRun
-from fedsim.strategies.accounting import RoundAccountant
-from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
+from fedsim.features.clipping.accounting import RoundAccountant
+from fedsim.features.clipping.server import AdaptiveClipping, FixedClipping
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.fedavgm import FedAvgM
 from fedsim.strategies.fedmedian import FedMedian
@@ -493,7 +493,8 @@ def test_client_clipping_on_rows_clips_each_row_as_its_reply_would_be():
     its norm and flag reported; the per-client form (one row) gives the same bits."""
     import torch
 
-    from fedsim.algorithms.halves import ClientClipping, Reply, run_on_rows
+    from fedsim.algorithms.halves import Reply, run_on_rows
+    from fedsim.features.clipping.client import ClientClipping
     from fedsim.messages import TrainInstruction
 
     rows = _rows_of([[3.0, 4.0], [0.3, 0.4]], 1.0)
@@ -516,7 +517,8 @@ def test_a_subclass_overriding_on_reply_of_a_shipped_half_is_honoured_on_rows():
     every row (the shipped ``on_rows`` would skip it)."""
     import torch
 
-    from fedsim.algorithms.halves import ClientClipping, run_on_rows
+    from fedsim.algorithms.halves import run_on_rows
+    from fedsim.features.clipping.client import ClientClipping
 
     class Halving(ClientClipping):
         def on_reply(self, reply):

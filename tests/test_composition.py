@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from fedsim.errors import ConfigError
-from fedsim.strategies import composition, privacy_table
-from fedsim.strategies.clip_wrapper import ClippingWrapper
+from fedsim.features.clipping import privacy_table
+from fedsim.features.clipping.wrapper import ClippingWrapper
+from fedsim.strategies import composition
 
 try:
     from helpers import TINY, compose_cfg, run_tiny
@@ -108,9 +109,9 @@ def test_dp_scaffold_through_flower_classes_is_refused_too():
     """The check works on objects, not config names: a user's own SCAFFOLD subclass is refused as well."""
     from strategy_helpers import flower_kwargs
 
-    from fedsim.algorithms.scaffold import Scaffold as ScaffoldClient
-    from fedsim.strategies.clipping import FixedClipping
-    from fedsim.strategies.scaffold import Scaffold
+    from fedsim.features.clipping.server import FixedClipping
+    from fedsim.features.scaffold.client import Scaffold as ScaffoldClient
+    from fedsim.features.scaffold.server import Scaffold
 
     class MyScaffold(Scaffold):
         pass
@@ -128,7 +129,7 @@ def test_a_client_algorithm_that_sends_raw_values_is_refused_under_dp_with_fedav
     from strategy_helpers import flower_kwargs
 
     from fedsim.algorithms.base import LocalSGD
-    from fedsim.strategies.clipping import FixedClipping
+    from fedsim.features.clipping.server import FixedClipping
     from fedsim.strategies.fedavg import FedAvg
 
     class Leaky(LocalSGD):
@@ -167,7 +168,7 @@ def test_the_privacy_pages_table_is_the_generated_one():
             assert dp_cell.startswith("privatised") and "refused without" in dp_cell, row
             continue
         assert dp_cell.startswith("refused") == (strategy in DP_REFUSED), row
-    assert re.search(r"client._target_=fedsim.algorithms.scaffold.Scaffold` .*\| refused", table)
+    assert re.search(r"client._target_=fedsim.features.scaffold.client.Scaffold` .*\| refused", table)
 
 
 def test_two_wrappers_that_both_draw_the_cohort_are_refused_from_their_declarations():
@@ -183,7 +184,7 @@ def test_two_wrappers_that_both_draw_the_cohort_are_refused_from_their_declarati
 def _fednova_release(replies, taus, tau_pub=4.0, z=1.0, c=0.5, m=3, noise_seed=2**100 + 5, server_lr=0.5):
     from strategy_helpers import flower_kwargs, make_reply, run_round
 
-    from fedsim.strategies.clipping import FixedClipping
+    from fedsim.features.clipping.server import FixedClipping
     from fedsim.strategies.fednova import FedNova
 
     x = {"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}
@@ -206,7 +207,7 @@ def _fednova_release(replies, taus, tau_pub=4.0, z=1.0, c=0.5, m=3, noise_seed=2
 def test_dp_fednova_releases_the_public_tau_eff_times_the_noised_mean_of_clipped_normalised_updates():
     """Hand oracle: x + lr * tau_pub * (sum_k clip((y_k - x) / tau_k, C) / m + xi), xi drawn from the noise seed
     as the wrapper draws it; uniform weights whatever num-examples and tau_k say."""
-    from fedsim.strategies.clip_wrapper import SECRET_TAG, UPDATE_NOISE
+    from fedsim.features.clipping.wrapper import SECRET_TAG, UPDATE_NOISE
 
     rng = np.random.default_rng(1)
     ys = [{"w": rng.normal(size=(2, 3)) * s, "b": rng.normal(size=3) * s} for s in (0.01, 3.0, 20.0)]

@@ -8,9 +8,9 @@ import torch
 from flwr.app import Array, ArrayRecord
 from helpers import compose_cfg, read_metrics, run_tiny
 
-from fedsim import compression
 from fedsim.errors import ConfigError
 from fedsim.experiment import build_experiment
+from fedsim.features.compression import server as compression
 
 
 def test_topk_keeps_the_largest_magnitudes_by_hand():

@@ -28,8 +28,8 @@ from strategy_helpers import (
 
 from fedsim import keys, schema
 from fedsim.errors import RunError
-from fedsim.strategies.clip_wrapper import COHORT, COUNT_NOISE, SECRET_TAG, UPDATE_NOISE
-from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
+from fedsim.features.clipping.server import AdaptiveClipping, FixedClipping
+from fedsim.features.clipping.wrapper import COHORT, COUNT_NOISE, SECRET_TAG, UPDATE_NOISE
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.fedavgm import FedAvgM
 

@@ -134,7 +134,7 @@ def test_fedavg_mnist_is_the_paper_setting():
 
 def test_alie_paper_is_the_paper_setting():
     """n = 50 all in every round, 12 attackers (24 %), the paper's z from its formula (~0.58), one local step."""
-    from fedsim.attacks import alie_z, malicious_clients
+    from fedsim.features.attacks.server import alie_z, malicious_clients
 
     cfg = compose_cfg("experiment=alie_paper")
     n = cfg.num_clients

@@ -564,8 +564,8 @@ def test_a_client_algorithm_with_state_is_new_files_only(tmp_path, monkeypatch, 
 SUBCLASSES = '''
 import numpy as np
 
-from fedsim.attacks import SignFlip
-from fedsim.strategies.clipping import FixedClipping
+from fedsim.features.attacks.server import SignFlip
+from fedsim.features.clipping.server import FixedClipping
 from fedsim.strategies.fedavg import FedAvg
 from fedsim.strategies.krum import Krum
 

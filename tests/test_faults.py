@@ -7,7 +7,7 @@ import pytest
 from helpers import read_metrics, run_tiny
 
 from fedsim.errors import ConfigError
-from fedsim.faults import FaultRates
+from fedsim.features.faults.client import FaultRates
 
 RATES = {"error": 0.2, "timeout": 0.1, "nan": 0.1, "shape": 0.1, "dtype": 0.1}
 KIND_OF = {"error": "error", "timeout": "timeout", "nan": "nonfinite", "shape": "shape", "dtype": "dtype"}

@@ -331,7 +331,7 @@ def test_strategies_accept_flowers_keyword_names(target, kwargs, attr, value):
 
 
 def test_clipping_accepts_flowers_names():
-    from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
+    from fedsim.features.clipping.server import AdaptiveClipping, FixedClipping
 
     inner = flwr_strategies.FedAvg()
     fixed = FixedClipping(inner, num_clients=10, num_sampled_clients=4, clipping_norm=0.5)

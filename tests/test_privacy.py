@@ -2,7 +2,8 @@
 metrics.jsonl holds only private releases about clients, and a DP run resumes with its own noise.
 
 epsilon is recomputed here with dp-accounting directly (the DpEvent is built in this file, not taken from
-``fedsim.strategies.accounting``) and compared with what a tiny run wrote into metrics.jsonl and summary.json.
+``fedsim.features.clipping.accounting``) and compared with what a tiny run wrote into metrics.jsonl and
+summary.json.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from flwr.app import ArrayRecord
 from strategy_helpers import flower_kwargs
 
 from fedsim import keys, schema
-from fedsim.strategies.clip_wrapper import SECRET_TAG, UPDATE_NOISE
-from fedsim.strategies.clipping import AdaptiveClipping, FixedClipping
+from fedsim.features.clipping.server import AdaptiveClipping, FixedClipping
+from fedsim.features.clipping.wrapper import SECRET_TAG, UPDATE_NOISE
 from fedsim.strategies.fedavg import FedAvg
 
 try:  # the tiny-run helpers: tests/helpers.py, formerly tests/conftest.py

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedsim.compression import qsgd, qsgd_decode
+from fedsim.features.compression.server import qsgd, qsgd_decode
 
 
 class _AlwaysRoundUp:

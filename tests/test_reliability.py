@@ -253,7 +253,7 @@ def test_a_data_set_too_big_for_memory_is_refused_before_it_is_built():
 
 
 def test_a_group_level_error_is_named_once():
-    from fedsim.faults import FaultRates
+    from fedsim.features.faults.client import FaultRates
     from fedsim.groups import typed
 
     with pytest.raises(ConfigError, match=r"^faults=\{.*expected rates that sum to at most 1"):
@@ -1195,7 +1195,7 @@ def test_a_signal_while_the_command_starts_is_a_clean_exit_143(tmp_path, delay):
 
 
 def test_zero_attackers_warn_and_absurd_thread_counts_are_refused(caplog):
-    from fedsim.attacks import SignFlip
+    from fedsim.features.attacks.server import SignFlip
     from fedsim.groups import Placement
     from fedsim.strategies.fedavg import FedAvg
 

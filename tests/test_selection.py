@@ -10,10 +10,11 @@ import torch
 from helpers import TINY, compose_cfg, read_metrics, run_tiny, without_wall_time
 from strategy_helpers import server_identity
 
-from fedsim import keys, selection
+from fedsim import keys
 from fedsim.comm import message_bytes
 from fedsim.errors import ConfigError
 from fedsim.experiment import build_experiment
+from fedsim.features.selection import server as selection
 from fedsim.strategies.fedavg import FedAvg
 
 
@@ -115,7 +116,7 @@ def test_the_client_probe_evaluates_on_the_training_split():
     from fedsim.build import client_spec, client_task
 
     spec = client_spec(compose_cfg(*TINY, "selection=power_of_choice"), "cpu")
-    assert "fedsim.algorithms.halves.ProbeTrain" in json.loads(spec)["halves"]  # named by the wrapper
+    assert "fedsim.features.selection.client.ProbeTrain" in json.loads(spec)["halves"]  # named by the wrapper
     task = client_task(spec, 1)
 
     def split(config):  # as fedsim's ClientApp picks an evaluation's split: the first half that chooses one

@@ -13,9 +13,10 @@ from flwr.app import ArrayRecord, ConfigRecord, MessageType, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 from helpers import compose_cfg, read_metrics, run_tiny, without_wall_time
 
-from fedsim import attacks, build, build_server, comm, keys, messages, seeds
+from fedsim import build, build_server, comm, keys, messages, seeds
 from fedsim.aggregate import weighted_mean
 from fedsim.engines.vectorized import VectorizedGrid
+from fedsim.features.attacks import server as attacks
 from fedsim.grid_utils import screen_replies
 from fedsim.messages import Cohort, array_record, device_mean
 from fedsim.records import average_metrics, to_record
@@ -354,7 +355,7 @@ def test_the_attack_and_clipping_on_the_cohort_are_their_closed_forms():
     """SignFlip then fixed clipping, on a cohort: the attackers' rows become ``x - d``, every update is clipped
     to ``C`` (numpy's closed form, ``aggregate.clip``) and FedAvg takes the weighted mean of ``x + clip(d)``."""
     from fedsim.aggregate import clip
-    from fedsim.strategies.clipping import FixedClipping
+    from fedsim.features.clipping.server import FixedClipping
 
     cohort = _stacked(5, seed=5)
     x = {n: t[0].numpy() * 0.5 for n, t in cohort.arrays.items()}

@@ -1,8 +1,11 @@
 """Client halves: what a feature does on the client, around local training, beside the client algorithm.
 
-A server-side feature (``fedsim.strategies.wrapper.Wrapper``) names its client half in ``client_half`` (a class
-path), the way a strategy names its client algorithm; the run's client spec carries the list (``halves``), and
-fedsim's ClientApp applies them in order around every local training:
+This module is the framework only; the halves themselves live with their features (``fedsim.features``: each
+feature's folder holds its client and server halves). A server-side feature
+(``fedsim.strategies.wrapper.Wrapper``) names its client half in ``client_half`` (the class, or a class path),
+the way a strategy names its client algorithm; ``fedsim.build`` writes the run's list into the client spec
+(``halves``: class paths, client-side clipping and injected faults first), and fedsim's ClientApp builds each
+the way a ``_target_`` is built and applies them in order around every local training:
 
 1. :meth:`ClientHalf.labels`: the labels the client trains on (label flipping);
 2. local training (the client algorithm's hooks, ``fedsim.algorithms.base``);
@@ -15,12 +18,8 @@ for its batched form: :meth:`ClientHalf.batched` (whether it runs on rows for th
 keys it reads (``keys``), :meth:`ClientHalf.labels` per client and :meth:`ClientHalf.on_rows` after training,
 whose default runs :meth:`ClientHalf.on_reply` on each row. A new half needs no edit to any engine.
 
-Each half acts only on messages that ask for it (their train-config keys). Client-side clipping (fedsim's
-``clip-norm`` and Flower's ``clipping_norm``) and injected faults are always in the chain: a Flower strategy
-that is not fedsim's may ask for clipping, and faults come from the run's own ``faults`` section.
-
-This module imports no server-side module: the codecs it applies sit at the bottom layer
-(``fedsim.codecs``).
+Each half acts only on messages that ask for it (their train-config keys). This module names no feature and
+imports no server-side module: the client layer knows the contract, the spec names the halves.
 """
 
 from __future__ import annotations
@@ -33,10 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedsim import codecs, keys
 from fedsim.algorithms.base import LocalRun
 from fedsim.algorithms.state import ClientState, store_for
-from fedsim.faults import SimulatedTimeout
 
 
 @dataclass
@@ -49,7 +46,7 @@ class Reply:
     ins: Any  # fedsim.messages.TrainInstruction
     partition_id: int
     seed: int
-    faults: Any = None  # fedsim.faults.FaultRates or None
+    faults: Any = None  # fedsim.features.faults.client.FaultRates or None
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, np.ndarray] = field(default_factory=dict)
 
@@ -160,163 +157,6 @@ class ClientHalf:
                 rows.put(i, reply, self)
 
 
-class ClientClipping(ClientHalf):
-    """Clip the update ``model - start`` to L2 norm ``C`` (fedsim's ``clip-norm``, or Flower's ``clipping_norm``
-    from Flower's client-side DP strategies) and report the norm before clipping and whether it clipped."""
-
-    needs_start = True
-    keys = (keys.CLIP_NORM,)
-
-    def active(self, ins: Any) -> bool:
-        return clip_norm(ins) is not None
-
-    def on_rows(self, rows: Rows) -> None:
-        """As :meth:`on_reply` on each row that asks for it, on the stack: the norms are one float64 reduction
-        per parameter over the rows (equal to the per-row sums to float64 rounding); the clipped rows become
-        ``start + (y - start) * (C / norm)`` in the parameters' dtype."""
-        bounds = [clip_norm(ins) for ins in rows.ins]
-        if all(b is None for b in bounds):
-            return
-        k, starts = len(rows), rows.start()
-        device = next(iter(rows.model.values())).device
-        deltas = {n: rows.model[n] - starts[n] for n in starts if torch.is_floating_point(starts[n])}
-        squares = torch.zeros(k, dtype=torch.float64, device=device)
-        for d in deltas.values():
-            squares += d.double().square().reshape(k, -1).sum(1)
-        norms = squares.sqrt().tolist()
-        clipped = [b is not None and norm > b and norm != 0.0 for b, norm in zip(bounds, norms)]
-        if any(clipped):
-            idx = torch.tensor([i for i, c in enumerate(clipped) if c], device=device)
-            scale = [bounds[i] / norms[i] for i in idx.tolist()]
-            for n, d in deltas.items():
-                factor = torch.tensor(scale, dtype=d.dtype, device=device).view(-1, *([1] * (d.dim() - 1)))
-                rows.model[n].index_copy_(
-                    0, idx, starts[n].index_select(0, idx) + d.index_select(0, idx) * factor
-                )
-        for i, (b, norm, c) in enumerate(zip(bounds, norms, clipped)):
-            if b is not None:  # the algorithm's metrics are not sent (as on_reply)
-                rows.metrics[i] = {keys.UPDATE_NORM: norm, keys.CLIPPED: float(c)}
-
-    def on_reply(self, reply: Reply) -> None:
-        """:meth:`on_rows` on the reply as one row (one definition of the clipping for both forms)."""
-        floats = [k for k in reply.start if torch.is_floating_point(reply.start[k])]
-        with torch.no_grad():
-            rows = Rows(
-                {k: reply.model[k].unsqueeze(0).clone() for k in floats},  # the model's own storage stays
-                lambda: {k: reply.start[k].unsqueeze(0) for k in floats},
-                [reply.ins],
-                [reply.partition_id],
-                [reply.seed],
-                [reply.faults],
-            )
-            self.on_rows(rows)
-        for k in floats:
-            reply.model[k] = rows.model[k][0]
-        reply.metrics = rows.metrics[0]
-
-
-def clip_norm(ins: Any) -> float | None:
-    """The clipping bound asked for: fedsim's ``clip-norm``, else Flower's ``clipping_norm``."""
-    if ins.clip_norm is not None:
-        return ins.clip_norm
-    value = ins.unhandled.get(keys.FLOWER_CLIPPING_NORM)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{keys.FLOWER_CLIPPING_NORM}={value!r} in the train config: expected a number > 0")
-    return float(value)
-
-
-class InjectedFaults(ClientHalf):
-    """The run's seeded injected faults (``faults`` section, ``fedsim.faults``): an error, a timeout, or a
-    corrupted reply (NaN, a wrong shape, a wrong dtype)."""
-
-    def active(self, ins: Any) -> bool:
-        return True
-
-    def batched(self, ins: Any, task: Any) -> bool:
-        """Batched only for a client without fault rates: a fault fails or garbles one client's reply."""
-        return task.faults is None
-
-    def on_rows(self, rows: Rows) -> None:
-        """Nothing: rows are batched only without fault rates (:meth:`batched`)."""
-
-    def on_reply(self, reply: Reply) -> None:
-        if reply.faults is None:
-            return
-        rnd, pid = reply.ins.draw_index, reply.partition_id
-        kind = reply.faults.draw(reply.seed, rnd, pid)
-        if kind == "error":
-            raise RuntimeError(f"injected client error (partition {pid}, round {rnd})")
-        if kind == "timeout":
-            raise SimulatedTimeout(f"injected timeout (partition {pid}, round {rnd})")
-        first = next(iter(reply.model))
-        if kind == "nan":
-            reply.model[first] = torch.full_like(reply.model[first], float("nan"))
-        elif kind == "shape":
-            reply.model[first] = reply.model[first].reshape(-1)[:-1].clone()
-        elif kind == "dtype":
-            for k in list(reply.model):
-                reply.model[k] = reply.model[k].double()
-
-
-class LabelFlip(ClientHalf):
-    """``attack=label_flip``'s client half: the attackers named in the train config train on ``C - 1 - y``
-    (batched too: the engine asks every client's labels)."""
-
-    keys = (keys.LABEL_FLIP,)
-
-    def active(self, ins: Any) -> bool:
-        return bool(ins.unhandled.get(keys.LABEL_FLIP))
-
-    def labels(self, ins: Any, partition_id: int, y: torch.Tensor, num_classes: int) -> torch.Tensor:
-        if partition_id not in (ins.unhandled.get(keys.LABEL_FLIP) or ()):
-            return y
-        return flip_labels(y, num_classes)
-
-
-def flip_labels(y: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Label flipping: class ``c`` becomes ``num_classes - 1 - c``."""
-    return (num_classes - 1) - y
-
-
-class Compress(ClientHalf):
-    """``compression=``'s client half: send the update encoded (top-k with error feedback, or QSGD); top-k keeps
-    its residual in the client's state."""
-
-    needs_start = True
-
-    def active(self, ins: Any) -> bool:
-        return codecs.wanted(ins.unhandled)
-
-    def keeps_state(self, ins: Any) -> bool:
-        return True
-
-    def on_reply(self, reply: Reply) -> None:
-        encoded, kept = codecs.encode_reply(
-            reply.model,
-            reply.start,
-            reply.ins.unhandled,
-            reply.state,
-            reply.seed,
-            reply.ins.draw_index,
-            reply.partition_id,
-        )
-        reply.model.clear()
-        reply.model.update(encoded)
-        reply.state.update(kept)
-
-
-class ProbeTrain(ClientHalf):
-    """Power of choice's client half: a loss probe (``probe-train-loss``) is answered on the training split."""
-
-    def eval_data(self, config: Any, x_train, y_train, x_val, y_val) -> tuple | None:
-        return (x_train, y_train) if config.get(keys.PROBE_TRAIN) else None
-
-
-ALWAYS = ("fedsim.algorithms.halves.ClientClipping", "fedsim.algorithms.halves.InjectedFaults")
-
-
 @functools.lru_cache(maxsize=16)
 def _chain(paths: tuple[str, ...]) -> tuple[ClientHalf, ...]:
     from hydra.utils import get_object
@@ -336,11 +176,11 @@ def _chain(paths: tuple[str, ...]) -> tuple[ClientHalf, ...]:
 
 
 def chain(spec: str | dict) -> tuple[ClientHalf, ...]:
-    """The client halves of a run spec, in the order they apply: client-side clipping, injected faults, then
-    those its features name (``spec["halves"]``, written from the features' ``client_half``)."""
+    """The client halves a run spec names, in the order they apply (``spec["halves"]``: ``fedsim.build``
+    writes client-side clipping and injected faults, then the features' ``client_half``)."""
     if isinstance(spec, str):
         return _chain_of_json(spec)
-    return _chain(ALWAYS + tuple(spec.get("halves") or ()))
+    return _chain(tuple(spec.get("halves") or ()))
 
 
 @functools.lru_cache(maxsize=64)

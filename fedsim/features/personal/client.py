@@ -34,7 +34,7 @@ class Ditto(ClientAlgorithm):
     """Ditto client: global local SGD (the reply) plus a personal model kept on the client."""
 
     stateful = True
-    strategy = "fedsim.strategies.personal.Ditto"
+    strategy = "fedsim.features.personal.server.Ditto"
     keeps = "its personal model"
 
     def after_training(self, run: LocalRun) -> None:
@@ -78,7 +78,7 @@ class FedPer(ClientAlgorithm):
     """FedPer client: the personal layers stay here; the shared base is trained and sent as usual."""
 
     stateful = True
-    strategy = "fedsim.strategies.personal.FedPer"
+    strategy = "fedsim.features.personal.server.FedPer"
     keeps = "its personal layers"
 
     def _names(self, run: LocalRun) -> list[str]:

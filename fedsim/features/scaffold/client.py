@@ -7,7 +7,7 @@ client's own (its persistent state). After ``K`` steps, option II::
     c_i+ = c_i - c + (x - y) / (K lr)          # x: the model received, y: the model after local training
     send  y  and  dc_i = c_i+ - c_i            # as the model and the ArrayRecord ``scaffold-dc``
 
-The strategy half is ``fedsim.strategies.scaffold.Scaffold``. The update rule is the paper's for plain local SGD;
+The strategy half is ``fedsim.features.scaffold.server.Scaffold``. The update rule is the paper's for plain local SGD;
 with momentum or Adam the correction is still added to every gradient, but option II's ``(x - y) / (K lr)`` is no
 longer the average corrected gradient.
 """
@@ -28,7 +28,7 @@ class Scaffold(ClientAlgorithm):
     """SCAFFOLD client: control-variate-corrected local SGD, option II update of ``c_i``."""
 
     stateful = True
-    strategy = "fedsim.strategies.scaffold.Scaffold"
+    strategy = "fedsim.features.scaffold.server.Scaffold"
     sends = (("its control-variate delta dc_i", "raw"),)  # unclipped (fedsim.strategies.composition)
     keeps = "its control variate c_i"
 

@@ -1,4 +1,4 @@
-"""Server halves of personalised FL: Ditto and FedPer (the clients' halves are in ``fedsim.algorithms.personal``).
+"""Server halves of personalised FL: Ditto and FedPer (the clients' halves are in ``fedsim.features.personal.client``).
 
 Both average the global model like FedAvg; what differs is what they tell the clients. Their personal models or
 layers never leave the clients; federated evaluation (``federated_eval=true``) has each client evaluate the model
@@ -12,9 +12,9 @@ from collections.abc import Iterable, Sequence
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from fedsim.algorithms.personal import DITTO_LAMBDA, FEDPER_LAYERS, personal_names
 from fedsim.checks import number
 from fedsim.errors import ConfigError
+from fedsim.features.personal.client import DITTO_LAMBDA, FEDPER_LAYERS, personal_names
 from fedsim.strategies.fedavg import FedAvg
 
 
@@ -27,7 +27,7 @@ class Ditto(FedAvg):
         lambda >= 0, the pull of each personal model toward the global one (0: purely local models).
     """
 
-    client_algorithm = "fedsim.algorithms.personal.Ditto"
+    client_algorithm = "fedsim.features.personal.client.Ditto"
 
     def __init__(self, lam: float = 0.1, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -50,7 +50,7 @@ class FedPer(FedAvg):
         whose parameters are ``3.weight`` and ``3.bias``).
     """
 
-    client_algorithm = "fedsim.algorithms.personal.FedPer"
+    client_algorithm = "fedsim.features.personal.client.FedPer"
 
     def __init__(self, personal_layers: Sequence[str] = ("3",), **kwargs) -> None:
         super().__init__(**kwargs)

@@ -4,8 +4,8 @@
 ``AdaptiveClipping`` adapts the clip norm to a quantile of the update norms (Andrew, Thakkar, McMahan,
 Ramaswamy, NeurIPS 2021, https://arxiv.org/abs/1905.03871). The round-by-round pipeline (Poisson or fixed-size
 sampling, clip, fixed denominator, shared secret noise, accounting, ``StopRun`` at ``max_epsilon``, private
-metrics, checkpoints) is in ``fedsim.strategies.clip_wrapper``; the DpEvents and neighbouring relations in
-``fedsim.strategies.accounting``.
+metrics, checkpoints) is in ``fedsim.features.clipping.wrapper``; the DpEvents and neighbouring relations in
+``fedsim.features.clipping.accounting``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fedsim import keys
 from fedsim.aggregate import adaptive_clip_norm, noisy_unclipped_fraction, split_noise_multiplier
 from fedsim.checks import number
 from fedsim.errors import ConfigError
-from fedsim.strategies.clip_wrapper import COUNT_NOISE, ClippingWrapper
+from fedsim.features.clipping.wrapper import COUNT_NOISE, ClippingWrapper
 from fedsim.strategies.flower_names import alias
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 Client ``k`` minimises ``L_k(w) - <g_k, w> + alpha/2 ||w - x||^2`` from the server model ``x`` (``alpha`` arrives
 as ``feddyn-alpha`` in the train config), so each local step adds ``-g_k + alpha (w - x)`` to the gradient. After
 training, its persistent ``g_k`` (the gradient of its loss at its last model, by the first-order condition)
-becomes ``g_k - alpha (w_k - x)``. The server half is ``fedsim.strategies.feddyn.FedDyn``.
+becomes ``g_k - alpha (w_k - x)``. The server half is ``fedsim.features.feddyn.server.FedDyn``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class FedDyn(ClientAlgorithm):
     """FedDyn client: local training on the dynamically regularised objective; keeps ``g_k``."""
 
     stateful = True
-    strategy = "fedsim.strategies.feddyn.FedDyn"
+    strategy = "fedsim.features.feddyn.server.FedDyn"
     keeps = "its gradient correction g_k"
 
     def before_training(self, run: LocalRun) -> None:

@@ -5,7 +5,7 @@ With ``N`` clients in the population, ``P`` the round's valid replies ``w_k`` an
     h <- h - alpha / N * sum_{k in P} (w_k - x)
     x <- mean_{k in P} w_k - h / alpha
 
-The clients (``fedsim.algorithms.feddyn.FedDyn``) receive ``alpha`` as ``feddyn-alpha`` in the train config.
+The clients (``fedsim.features.feddyn.client.FedDyn``) receive ``alpha`` as ``feddyn-alpha`` in the train config.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
 from fedsim.aggregate import cast_like, is_float
-from fedsim.algorithms.feddyn import ALPHA
 from fedsim.checks import integer, number
+from fedsim.features.feddyn.client import ALPHA
 from fedsim.records import to_numpy, to_record
 from fedsim.strategies.composition import COHORT_SCALED, Release
 from fedsim.strategies.fedavg import FedAvg
@@ -37,7 +37,7 @@ class FedDyn(FedAvg):
         Passed to fedsim's FedAvg.
     """
 
-    client_algorithm = "fedsim.algorithms.feddyn.FedDyn"
+    client_algorithm = "fedsim.features.feddyn.client.FedDyn"
     releases = (
         Release("its global model (mean - h / alpha, h summing every reply's update)", COHORT_SCALED),
     )

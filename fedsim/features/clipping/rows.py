@@ -1,4 +1,4 @@
-"""The clipping wrapper's work on a cohort's rows (``fedsim.strategies.clip_wrapper``): each row's update and its
+"""The clipping wrapper's work on a cohort's rows (``fedsim.features.clipping.wrapper``): each row's update and its
 norm in float64 where the rows sit, and the stand-in reply of a DP round without a valid one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The wrapper machinery behind ``fedsim.strategies.clipping``: sample, clip, noise, delegate, account.
+"""The wrapper machinery behind ``fedsim.features.clipping.server``: sample, clip, noise, delegate, account.
 
 DP-FedAvg (McMahan, Ramage, Talwar, Zhang, ICLR 2018, https://arxiv.org/abs/1710.06963) with fixed clipping,
 and adaptive clipping to a target quantile (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021,
@@ -10,7 +10,7 @@ https://arxiv.org/abs/1905.03871).
    draws the cohort: with ``sampling="poisson"`` every client independently with probability
    ``q = m / N`` (``m = clients_per_round``), so the cohort size varies; with ``sampling="fixed"`` exactly
    ``m`` clients without replacement. epsilon is accounted for exactly that sampler
-   (``fedsim.strategies.accounting``: add/remove-one adjacency for Poisson, replace-one for fixed). The
+   (``fedsim.features.clipping.accounting``: add/remove-one adjacency for Poisson, replace-one for fixed). The
    round is charged once, **when its cohort is drawn**, and every charged round releases exactly what the
    analysed mechanism releases (3.): the loop skips no DP round (``releases_every_round``). An empty Poisson
    cohort, a round whose every reply failed or was dropped, and one with fewer than ``min_replies`` valid
@@ -81,11 +81,11 @@ from fedsim.aggregate import (
 )
 from fedsim.checks import integer, number
 from fedsim.errors import ConfigError, StopRun
+from fedsim.features.clipping.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
+from fedsim.features.clipping.rows import STAND_IN_NODE, noise_reply, row_norms, row_updates
 from fedsim.grid_utils import SampledGrid, first_line
 from fedsim.records import to_numpy
 from fedsim.strategies import base, composition
-from fedsim.strategies.accounting import ACCOUNTANTS, ADJACENCY, SAMPLINGS, RoundAccountant
-from fedsim.strategies.clip_rows import STAND_IN_NODE, noise_reply, row_norms, row_updates
 from fedsim.strategies.wrapper import Wrapper
 
 log = logging.getLogger("fedsim")
@@ -439,7 +439,7 @@ class ClippingWrapper(Wrapper):
         return cohort, factor, bits, update
 
     def _updates(self, cohort: Any, device: Any) -> Any:
-        """The rows' updates (``clip_rows.row_updates``), per local step under FedNova."""
+        """The rows' updates (``rows.row_updates``), per local step under FedNova."""
         return row_updates(self.current, cohort, device, per_step=self._public_tau_eff() is not None)
 
     def _empty_round(self, server_round: int) -> tuple[ArrayRecord | None, MetricRecord | None]:

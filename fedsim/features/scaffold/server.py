@@ -1,7 +1,7 @@
 """SCAFFOLD's server half (Karimireddy, Kale, Mohri, Reddi, Stich, Suresh, ICML 2020), with a global step size.
 
 Each round the server sends the model ``x`` and its control variate ``c`` (the ArrayRecord ``scaffold-c``); the
-clients (``fedsim.algorithms.scaffold.Scaffold``) return their models ``y_i`` and ``dc_i``. Then::
+clients (``fedsim.features.scaffold.client.Scaffold``) return their models ``y_i`` and ``dc_i``. Then::
 
     x <- x + lr_g * mean_i (y_i - x)
     c <- c + (|S| / N) * mean_i dc_i            # = c + sum_i dc_i / N
@@ -19,8 +19,8 @@ from flwr.serverapp import Grid
 
 from fedsim import keys
 from fedsim.aggregate import cast_like, is_float
-from fedsim.algorithms.scaffold import DELTA_C, SERVER_C
 from fedsim.checks import integer, number
+from fedsim.features.scaffold.client import DELTA_C, SERVER_C
 from fedsim.records import reply_arrays, to_numpy, to_record
 from fedsim.strategies.composition import MEAN, RAW, Release
 from fedsim.strategies.fedavg import FedAvg
@@ -39,7 +39,7 @@ class Scaffold(FedAvg):
         Passed to fedsim's FedAvg (Flower's keyword arguments).
     """
 
-    client_algorithm = "fedsim.algorithms.scaffold.Scaffold"
+    client_algorithm = "fedsim.features.scaffold.client.Scaffold"
     releases = (Release("its global model", MEAN), Release("its control variate c", RAW))
 
     def __init__(self, num_clients: int, server_lr: float = 1.0, **kwargs) -> None:

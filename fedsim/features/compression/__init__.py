@@ -1,0 +1,1 @@
+"""Compression of client updates (``compression=``): the server's wrappers and the client's encoder."""
