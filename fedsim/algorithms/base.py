@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsim.local import LocalTraining
+from fedsim.local import LocalTraining, proximal_gradient_
 from fedsim.messages import TrainInstruction
 from fedsim.tasks import CLASSIFICATION, Task
 
@@ -104,7 +104,7 @@ class ClientAlgorithm:
         if mu > 0:
             with torch.no_grad():
                 for name, p in run.params:
-                    p.grad.add_(p - run.start[name], alpha=mu)
+                    proximal_gradient_(p.grad, p, run.start[name], mu)
 
     def after_step(self, run: LocalRun) -> None:
         """After the optimiser step (``run.done`` steps taken): averaged SGD's running mean of the iterates."""

@@ -14,8 +14,8 @@ sequential ClientApp (the same seeded ``torch.randperm`` per pass, the same part
    takes an extra step (momentum buffers and weight decay included);
 3. step: gather the padded batches ``(k, B, ...)``, per-client mean loss through a 0/1-over-b weight mask,
    one backward for the cohort (clients are independent, so the gradient of the summed loss with respect to
-   the stacked parameters is each client's own gradient), then the SGD update of ``torch.optim.SGD``
-   written out (weight decay, momentum, Nesterov) plus FedProx's ``mu * (w - w_start)``; after the last step,
+   the stacked parameters is each client's own gradient), then FedProx's term and the SGD update of
+   ``fedsim.local`` (weight decay, momentum, Nesterov), the functions a client's own training applies; after the last step,
    the client halves the messages ask for, on the rows (``ClientHalf.on_rows``: client-side clipping, a user's
    half; each half also gives every client's labels, e.g. label flipping);
 4. reply: each client's full weights and the ClientApp's metrics keys, kept stacked on the device

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from fedsim.algorithms.base import ClientAlgorithm, LocalRun
-from fedsim.local import batch_size_for
+from fedsim.local import SGD, LocalTraining, batch_size_for, proximal_gradient_
 
 DITTO_LAMBDA = "ditto-lambda"  # train-config key: Ditto's lambda
 FEDPER_LAYERS = (
@@ -46,7 +46,7 @@ class Ditto(ClientAlgorithm):
             for name, p in params:
                 v = run.state.get(_V + name)
                 p.copy_(run.start[name] if v is None else torch.as_tensor(v, dtype=p.dtype, device=p.device))
-        opt = torch.optim.SGD([p for _, p in params], lr=self.local.lr)
+        opt = SGD([p for _, p in params], LocalTraining(lr=self.local.lr))  # plain SGD at the client's lr
         n, bs, done = run.x.shape[0], batch_size_for(run.x.shape[0], self.local), 0
         while done < run.done:
             order = torch.randperm(n, generator=run.generator).to(run.x.device)
@@ -59,7 +59,7 @@ class Ditto(ClientAlgorithm):
                 loss.backward()
                 with torch.no_grad():
                     for name, p in params:
-                        p.grad.add_(p - run.start[name], alpha=lam)
+                        proximal_gradient_(p.grad, p, run.start[name], lam)  # Ditto's lambda/2 ||v - w||^2
                 opt.step()
                 done += 1
         run.state = {_V + name: p.detach().cpu().numpy().copy() for name, p in params}
