@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 from fedsim import __version__, build, checkpoint, schema
 from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks, redact
-from fedsim.config import quiet_loggers
+from fedsim.config import keep_freed_memory, quiet_loggers
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
 from fedsim.experiment import Experiment, build_experiment
@@ -74,6 +74,7 @@ def run_experiment(
     """
     if grid is None:  # the Python API too: Flower's INFO lines off (a deployed ServerApp's log keeps them)
         quiet_loggers()
+    keep_freed_memory()
     with contextlib.nullcontext() if grid is not None else signals() as guard:
         exp = build_experiment(cfg, deployed=grid is not None)
         engine = EngineRunner(
