@@ -433,7 +433,10 @@ def test_host_mean_is_weighted_mean_bit_for_bit_and_its_reused_scratch_leaves_ea
     gen = torch.Generator().manual_seed(0)
     results = []
     for rows, width in ((7, 5), (3, 11), (7, 5)):  # the scratch grows, then is reused smaller
-        stack = {"w": torch.randn(rows, width, 3, generator=gen), "b": torch.randn(rows, width, generator=gen)}
+        stack = {
+            "w": torch.randn(rows, width, 3, generator=gen),
+            "b": torch.randn(rows, width, generator=gen),
+        }
         sizes = torch.randint(1, 50, (rows,), generator=gen).tolist()
         got = messages.host_mean(stack, normalised_weights(sizes))
         oracle = weighted_mean([{n: t[i].numpy() for n, t in stack.items()} for i in range(rows)], sizes)
