@@ -220,17 +220,20 @@ def fed10(tmp_path_factory):
 
 
 def churn(fed: ChurnFederation, plan: dict, watch: RoundWatch) -> dict[int, list[list]]:
-    """Play the schedule at round boundaries; return node -> its absences ``[kind, left, joined]`` (monotonic
-    seconds: ``left`` once it was gone, ``joined`` before it was brought back)."""
+    """Play the schedule at round boundaries; return node -> its absences ``[kind, began, left, joined]``
+    (monotonic seconds: ``began`` when its leave started, so it may be gone from then on; ``left`` once it was
+    gone: stopping a node and its SuperExec takes seconds, while the next round goes on; ``joined`` before it
+    was brought back)."""
     away: dict[int, list[list]] = {n: [] for n in range(NODES)}
     for r in sorted(plan):
         watch.wait(r, 300)
         for action, kind, node in plan[r]:
             if action == "leave":
+                began = time.monotonic()
                 fed.leave(kind, node)
-                away[node].append([kind, time.monotonic(), float("inf")])
+                away[node].append([kind, began, time.monotonic(), float("inf")])
             else:
-                away[node][-1][2] = time.monotonic()
+                away[node][-1][3] = time.monotonic()
                 print(f"after round {r}: node {node} back ({fed.join(kind, node)})")
     return away
 
@@ -264,7 +267,7 @@ def test_ten_nodes_leaving_and_joining(fed10):
         assert trained[r] | set(failed[r]) == set(range(NODES)) and not trained[r] & set(failed[r]), r
         start, end = watch.seen[r - 1], watch.seen[r]
         for n, spans in away.items():
-            for kind, left, joined in spans:
+            for kind, _, left, joined in spans:
                 if left < start and joined > end:  # gone for the whole round: a failure naming it
                     err = failed[r].get(n, "")
                     ok = err.startswith("timeout:") if kind == "cut" else "Unavailable" in err
@@ -277,7 +280,7 @@ def check_back(away: dict, by_round: dict, trained: dict, watch: RoundWatch) -> 
     """A node back trains again within ``BACK_WITHIN[kind]`` of the rounds that start after its join."""
     took = []
     for n, spans in away.items():
-        for kind, _, joined in spans:
+        for kind, _, _, joined in spans:
             later = [r for r in by_round if watch.seen[r - 1] > joined]
             first = next((k for k, r in enumerate(later, 1) if n in trained[r]), None)
             took.append((n, kind, first))
@@ -290,9 +293,10 @@ def check_present(away: dict, by_round: dict, trained: dict, watch: RoundWatch) 
     for r in by_round:
         for n, spans in away.items():
             busy = [
-                (kind, left, joined)
-                for kind, left, joined in spans
-                if left < watch.seen[r]  # it left before the round's record (else it was there all along)
+                (kind, began, joined)
+                for kind, began, _, joined in spans
+                if began
+                < watch.seen[r]  # its leave began before the round's record (else it was there all round)
                 and r <= max(k for k in by_round if watch.seen[k - 1] <= joined) + BACK_WITHIN[kind]
             ]
             assert busy or n in trained[r], (r, n, spans)
