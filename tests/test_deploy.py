@@ -1256,9 +1256,9 @@ class TestProbesDuringARun:
         """Stranger probe, both fronts (nginx, or the Python one where nginx is missing, and the Python one):
         during round 2 of the run, 256 MB declared and endless chunked bodies (413, or 411 for chunked at the
         Python front) and 40 stalled 1 MB bodies per front (cut off: 408 or closed). The SuperLink's RSS stays
-        within 64 MB of what it was, the abused round lasts as long as the clean one (within noise), the Python
-        front's threads stay bounded. Then a flood of pipelined requests meets 503s (``limit_req``) and the 65th
-        concurrent request from one address 503 (``limit_conn``)."""
+        within 64 MB of what it was, the abused round waits on no stalled body (it ends within the clean one's time
+        plus the front's body timeout), the Python front's threads stay bounded. Then a flood of pipelined requests
+        meets 503s (``limit_req``) and the 65th concurrent request from one address 503 (``limit_conn``)."""
         fronts = [fed.address, fed.python_front]
         link, pyfront = fed.procs["superlink"].pid, fed.procs["front-python"].pid
         _, out, _ = run  # round 1 is done
@@ -1297,7 +1297,10 @@ class TestProbesDuringARun:
             f"Python front threads max {max(threads)}"
         )
         assert max(rss) - rss0 < 64 * 1024, (rss0, max(rss))
-        assert abused <= 1.5 * clean + 2.0, gaps
+        # A round that waited on a stalled body would last at least the front's body timeout (5 s here) longer
+        # than the clean one; the abuse's own TLS traffic (hundreds of MB encrypted and read on 2 cores) slows it
+        # by a few seconds less than that.
+        assert abused < clean + fed.limits.body_timeout, (gaps, fed.limits.body_timeout)
         assert (
             max(threads) <= 2 * (40 + 6) + 2
         )  # a thread per connection (and a header timer while it sends them)
