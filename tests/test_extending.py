@@ -560,6 +560,66 @@ def test_a_client_algorithm_with_state_is_new_files_only(tmp_path, monkeypatch, 
     ]  # metrics.jsonl: snake_case
 
 
+RECORDER = '''
+import json
+
+from fedsim.callbacks import Callback
+
+
+class Keep(Callback):
+    """A user's callback: every record it is given, one JSON line each, in its own file."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_round(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\\n")
+'''
+
+
+@pytest.mark.slow
+def test_a_stateful_client_algorithm_and_a_callback_from_new_files_agree_on_both_engines(
+    tmp_path, monkeypatch
+):
+    """Two of the five extensions the one-form issue names, whose tests above run each engine on its own: the
+    stateful client algorithm and a callback, both from new files in one run. ``inprocess`` and the default
+    engine give the same models and metrics (``test_matrix``'s tolerance), the algorithm's count goes 1, 2, 3 on
+    both, and the callback was given exactly the records of its run's ``metrics.jsonl``."""
+    from helpers import read_metrics
+    from test_matrix import _assert_agree, _tolerance
+
+    from fedsim.run import run_experiment
+
+    (tmp_path / "counting.py").write_text(COUNTING_ALGORITHM)
+    (tmp_path / "keep.py").write_text(RECORDER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("counting", "keep"):
+        sys.modules.pop(name, None)
+    over = [
+        "num_clients=3",
+        "clients_per_round=3",
+        "num_rounds=3",
+        "quiet=true",
+        "+client._target_=counting.CountingSGD",
+    ]
+    cfgs = {}
+    for engine in ("inprocess", "auto"):
+        kept = tmp_path / f"{engine}.jsonl"
+        cfgs[engine] = compose(
+            *over, f"engine={engine}", f"callbacks=[{{_target_: keep.Keep, path: '{kept}'}}]"
+        )
+        assert run_experiment(cfgs[engine], tmp_path / engine)["status"] == "completed"
+        records = read_metrics(tmp_path / engine)
+        assert [json.loads(ln) for ln in kept.read_text().splitlines()] == records
+        assert [r.get("task_count") for r in records if r.get("round")] == [1.0, 2.0, 3.0], engine
+    for name in ("counting", "keep"):
+        sys.modules.pop(name, None)
+    _assert_agree(
+        tmp_path / "inprocess", tmp_path / "auto", _tolerance(cfgs["inprocess"], tmp_path / "inprocess")
+    )
+
+
 # ------------------------------------------------------------- a user's subclass of a shipped class
 SUBCLASSES = '''
 import numpy as np
