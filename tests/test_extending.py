@@ -539,27 +539,6 @@ class CountingSGD(LocalSGD):
 '''
 
 
-@pytest.mark.parametrize("engine", ["inprocess", "auto"])
-def test_a_client_algorithm_with_state_is_new_files_only(tmp_path, monkeypatch, engine):
-    """Its state survives from one task of a client to the next on every engine: with every client in every
-    round, round r's replies report r."""
-    from fedsim.run import run_experiment
-
-    (tmp_path / "counting.py").write_text(COUNTING_ALGORITHM)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("counting", None)
-    over = ["num_clients=3", "clients_per_round=3", "num_rounds=3", "quiet=true", f"engine={engine}"]
-    cfg = compose(*over, "+client._target_=counting.CountingSGD")
-    run_experiment(cfg, tmp_path / "run")
-    sys.modules.pop("counting", None)
-    lines = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [ln.get("task_count") for ln in lines if ln.get("round")] == [
-        1.0,
-        2.0,
-        3.0,
-    ]  # metrics.jsonl: snake_case
-
-
 RECORDER = '''
 import json
 
@@ -582,10 +561,11 @@ class Keep(Callback):
 def test_a_stateful_client_algorithm_and_a_callback_from_new_files_agree_on_both_engines(
     tmp_path, monkeypatch
 ):
-    """Two of the five extensions the one-form issue names, whose tests above run each engine on its own: the
-    stateful client algorithm and a callback, both from new files in one run. ``inprocess`` and the default
-    engine give the same models and metrics (``test_matrix``'s tolerance), the algorithm's count goes 1, 2, 3 on
-    both, and the callback was given exactly the records of its run's ``metrics.jsonl``."""
+    """Two of the five extensions the one-form issue names, both from new files in one run: a client algorithm
+    whose state survives from one task of a client to the next (with every client in every round, round r's
+    replies report r, in metrics.jsonl as snake_case) and a callback. ``inprocess`` and the default engine give
+    the same models and metrics (``test_matrix``'s tolerance), and the callback was given exactly the records of
+    its run's ``metrics.jsonl``."""
     from helpers import read_metrics
     from test_matrix import _assert_agree, _tolerance
 
