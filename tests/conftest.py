@@ -8,10 +8,23 @@ test_deploy's federation (a module fixture) is started once.
 """
 
 import re
+import signal
 
 from fedsim.config import flower_env
 
 flower_env()
+
+# A shell starts a background job (`pytest &`, `nohup pytest`) with SIGINT (and under nohup SIGHUP) ignored, and
+# a process started with a signal ignored keeps it ignored: fedsim then rightly leaves it alone (a user's nohup
+# wins), and the tests that signal a run (tests/test_reliability.py) would see nothing. The suite restores the
+# default dispositions for itself and every process it starts.
+for _sig, _default in (
+    (signal.SIGINT, signal.default_int_handler),
+    (signal.SIGTERM, signal.SIG_DFL),
+    (signal.SIGHUP, signal.SIG_DFL),
+):
+    if signal.getsignal(_sig) == signal.SIG_IGN:
+        signal.signal(_sig, _default)
 
 SERVICES_FILES = (
     "test_deploy.py",
