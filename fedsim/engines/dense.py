@@ -58,6 +58,7 @@ class DenseStep:
         self.first = next(i for i, (kind, _) in enumerate(self.layers) if kind == "linear")
         self.task = task
         self.manual = type(task) is Classification
+        self._minus_one: torch.Tensor | None = None  # the cached -1 source of the onehot (``_minus``)
 
     def forward(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, saved: list | None = None
@@ -68,18 +69,20 @@ class DenseStep:
             if kind == "flatten":
                 if saved is not None:
                     saved.append(h.shape)
-                h = h.flatten(2)
+                if h.dim() > 3:  # (k, batch, features) already: nothing to flatten
+                    h = h.flatten(2)
             elif kind == "linear":
                 w, b = params[wname], params.get(bname)
-                rows = h.reshape(k, -1, h.shape[-1])  # (k, rows, in)
+                flat = h.dim() == 3  # (k, rows, in) as it is: no reshape, no view back
+                rows = h if flat else h.reshape(k, -1, h.shape[-1])
                 if saved is not None:
-                    saved.append((rows, h.shape))
+                    saved.append((rows, None if flat else h.shape))
                 out = (
                     torch.bmm(rows, w.transpose(1, 2))
                     if b is None
                     else torch.baddbmm(b.unsqueeze(1), rows, w.transpose(1, 2))
                 )
-                h = out.view(*h.shape[:-1], out.shape[-1])
+                h = out if flat else out.view(*h.shape[:-1], out.shape[-1])
             else:  # relu
                 h = torch.relu(h)
                 if saved is not None:
@@ -94,10 +97,11 @@ class DenseStep:
         saved: list = []
         logits = self.forward(params, x, saved)  # (k, batch, classes)
         logp = F.log_softmax(logits, dim=-1)
-        nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)  # (k, batch)
+        y1 = y.unsqueeze(-1)
+        nll = -logp.gather(-1, y1).squeeze(-1)  # (k, batch)
         losses = (nll * w).sum(1)
         g = logp.exp_()  # d loss / d logits = w * (softmax - onehot)
-        g.scatter_add_(-1, y.unsqueeze(-1), torch.full_like(g[..., :1], -1.0))
+        g.scatter_add_(-1, y1, self._minus(g))
         g.mul_(w.unsqueeze(-1))
         grads: dict[str, torch.Tensor] = {}
         first = self.first
@@ -107,18 +111,32 @@ class DenseStep:
             if kind == "linear":
                 wname, bname = self.names[i]
                 rows, shape = s
-                k = rows.shape[0]
-                g2 = g.reshape(k, -1, g.shape[-1])  # (k, rows, out)
+                g2 = g if shape is None else g.reshape(rows.shape[0], -1, g.shape[-1])  # (k, rows, out)
                 grads[wname] = torch.bmm(g2.transpose(1, 2), rows)  # (k, out, in)
                 if bname in params:
                     grads[bname] = g2.sum(1)
                 if i > first:
-                    g = torch.bmm(g2, params[wname]).view(shape)
+                    g = torch.bmm(g2, params[wname])
+                    g = g if shape is None else g.view(shape)
             elif kind == "relu":
                 g = _RELU_BACKWARD(g, s, 0)  # g * (s > 0), one op
-            else:  # flatten
+            elif g.shape != s:  # flatten
                 g = g.view(s)
         return losses, grads
+
+    def _minus(self, g: torch.Tensor) -> torch.Tensor:
+        """``-1`` of the shape ``(k, batch, 1)`` of ``g``'s first column (the onehot's source), made once a shape
+        and sliced for the steps where fewer clients train."""
+        m = self._minus_one
+        if (
+            m is None
+            or m.dtype != g.dtype
+            or m.device != g.device
+            or m.shape[1] != g.shape[1]
+            or len(m) < len(g)
+        ):
+            m = self._minus_one = torch.full_like(g[..., :1], -1.0)
+        return m if len(m) == len(g) else m[: len(g)]
 
     def _autograd(self, params, x, y, w):
         names = list(params)

@@ -18,22 +18,29 @@ def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, los
     through ``forward``), then FedProx's term and the SGD rule of ``fedsim.local`` (``bufs``: momentum buffers,
     zeros before the first step) on each stacked parameter; losses added to ``loss_sum``."""
     k, width = w.shape
+    full = k == len(loss_sum)  # every client still trains: no views of the first k rows
+    rows = params if full else {n: params[n][:k] for n in names}
     if step is not None:  # an MLP on cross-entropy: the hand-written batched step
-        per_client, by_name = step({n: params[n][:k] for n in names}, xb, yb, w)
+        per_client, by_name = step(rows, xb, yb, w)
         grads = [by_name[n] for n in names]
     else:
-        leaves = {n: params[n][:k].detach().requires_grad_() for n in names}
-        out = forward(leaves, xb)  # (k, width, classes)
-        losses = learnt.loss(out.flatten(0, 1), yb.flatten(), reduction="none").view(k, width)
-        per_client = (losses * w).sum(1)  # (k,) each client's mean batch loss
-        grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
-    with torch.no_grad():
+        leaves = {n: rows[n].detach().requires_grad_() for n in names}
+        with torch.enable_grad():
+            out = forward(leaves, xb)  # (k, width, classes)
+            losses = learnt.loss(out.flatten(0, 1), yb.flatten(), reduction="none").view(k, width)
+            per_client = (losses * w).sum(1)  # (k,) each client's mean batch loss
+            grads = torch.autograd.grad(per_client.sum(), [leaves[n] for n in names])
+        per_client = per_client.detach()
+    # no autograd below: the stacked parameters, buffers and losses never require grad
+    if full:
+        loss_sum += per_client.double()
+    else:
         loss_sum[:k] += per_client.double()
-        for n, g in zip(names, grads):
-            p = params[n][:k]
-            if anchor is not None:
-                g = proximal_gradient_(g, p, anchor[n][:k], mu)
-            sgd_update_(p, g, bufs[n][:k] if bufs else None, local)
+    for n, g in zip(names, grads):
+        p = rows[n]
+        if anchor is not None:
+            g = proximal_gradient_(g, p, anchor[n] if full else anchor[n][:k], mu)
+        sgd_update_(p, g, (bufs[n] if full else bufs[n][:k]) if bufs else None, local)
 
 
 class _StepGraph:
