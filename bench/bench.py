@@ -628,57 +628,8 @@ def skip_noop_numerics() -> None:
     build.set_numerics = set_numerics
 
 
-def fused_sgd_proposal() -> None:
-    """Proposal P11 (bench/NOTES.md section 12), applied by monkeypatching ``fedsim.engines.vectorized._sgd_step``:
-    plain SGD on the dense step (no momentum, weight decay or FedProx) updates each parameter in place, the
-    weights with one ``baddbmm_`` (``W - lr * g^T h``) and the biases with ``sub_``, instead of making a gradient
-    tensor and adding it, and a ReLU's backward is one ``threshold_backward``; every other step is the engine's."""
-    import torch
-    from torch.nn import functional as F
-
-    from fedsim.engines import vectorized
-
-    original, thr = vectorized._sgd_step, torch.ops.aten.threshold_backward
-
-    def sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w) -> None:
-        if step is None or not step.manual or anchor is not None or bufs or local.weight_decay != 0:
-            return original(
-                step, forward, learnt, names, local, mu, params, bufs, anchor, loss_sum, xb, yb, w
-            )
-        k, lr = w.shape[0], local.lr
-        with torch.no_grad():
-            p, saved = {n: params[n][:k] for n in names}, []
-            logp = F.log_softmax(step.forward(p, xb, saved), dim=-1)
-            y1 = yb.unsqueeze(-1)
-            loss_sum[:k] += ((-logp.gather(-1, y1).squeeze(-1)) * w).sum(1).double()
-            g = logp.exp_()
-            g.scatter_add_(-1, y1, torch.full_like(g[..., :1], -1.0)).mul_(w.unsqueeze(-1))
-            first = next(i for i, (kind, _) in enumerate(step.layers) if kind == "linear")
-            for i in range(len(step.layers) - 1, first - 1, -1):
-                kind, name = step.layers[i]
-                if kind == "linear":
-                    rows, shape = saved[i]
-                    g2 = g.reshape(k, -1, g.shape[-1])
-                    weight = p[f"{name}.weight"]
-                    below = torch.bmm(g2, weight).view(shape) if i > first else None  # before the update
-                    if f"{name}.bias" in p:
-                        p[f"{name}.bias"].sub_(g2.sum(1), alpha=lr)
-                    weight.baddbmm_(g2.transpose(1, 2), rows, alpha=-lr)
-                    g = below
-                elif kind == "relu":
-                    g = thr(g, saved[i], 0)
-                else:  # flatten
-                    g = g.view(saved[i])
-        return None
-
-    vectorized._sgd_step = sgd_step
-
-
 def child(variant: str, rounds: int, scenario: str = "default") -> dict:
     """Run one variant of the default experiment (``tight`` and ``fedsim``: of ``scenario``) in this process."""
-    if variant.endswith("+P11"):  # a proposal measured by monkeypatching (see fused_sgd_proposal)
-        fused_sgd_proposal()
-        variant = variant.removesuffix("+P11")
     if variant == "tight":
         return tight_child(scenario, rounds)
     if variant == "fedsim":  # the default engine, as a user runs it
@@ -862,11 +813,6 @@ def main() -> None:
     ap.add_argument(
         "--save", help="also write the output to this file (bench/tables.py makes docs tables from it)"
     )
-    ap.add_argument(
-        "--proposal",
-        action="store_true",
-        help="tight comparison: fedsim with proposal P11 (fused_sgd_proposal)",
-    )
     ap.add_argument("--scenario", default="default", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -878,8 +824,7 @@ def main() -> None:
 
         tables.save(args.save)
     if args.variants is None:
-        fedsim = "fedsim+P11" if args.proposal else "fedsim"
-        tight_compare(args.rounds, args.repeat or 3, args.scenarios.split(","), args.load.split(","), fedsim)
+        tight_compare(args.rounds, args.repeat or 3, args.scenarios.split(","), args.load.split(","))
         return
     table(args.rounds, args.repeat or 1, args.variants.split(","), args.load.split(","), args.clock)
 
@@ -996,7 +941,7 @@ def tight_compare(
                     order = ("fedsim", "tight") if r % 2 == 0 else ("tight", "fedsim")
                     for v in order:
                         ENV["BENCH_SAVE"] = f"{tmp}/{sc}-{v}.pt"
-                        name = fedsim if v == "fedsim" else v  # e.g. fedsim+P11: with a proposal
+                        name = fedsim if v == "fedsim" else v  # (a variant name, e.g. one with a proposal)
                         argv = [__file__, "--child", name, "--scenario", sc, "--rounds", str(rounds)]
                         with BusyNeighbour() if ld == "busy" else contextlib.nullcontext():
                             runs.setdefault((sc, ld, v), []).append(run_child(argv))

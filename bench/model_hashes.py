@@ -8,8 +8,12 @@ rounds of a small experiment in this process on the default engine and on ``engi
     python bench/model_hashes.py --write FILE           # keep them
     python bench/model_hashes.py --check FILE           # compare with kept ones; exit 1 on any difference
 
-``bench/results/model_hashes.json`` keeps the hashes of the tree before the cohort (issue 38): the cohort's
-one form gives every one of them, on both engines.
+``bench/results/model_hashes.json`` keeps the hashes of the tree before the cohort (issue 38), which the
+cohort's one form gave on both engines, except the 16 cells of the default engine that train plain SGD on the
+batched MLP step: since that step hands the SGD rule each weight's gradient unformed (``fedsim.local.Outer``)
+and the rule steps along it in one ``baddbmm_`` (rounded once where forming the gradient and subtracting it
+rounds twice), their last bits differ and their hashes were written anew; every ``inprocess`` cell, and every
+batched one that forms its gradients (FedProx's term, momentum, weight decay), kept its hash.
 """
 
 from __future__ import annotations

@@ -47,14 +47,38 @@ class LocalTraining:
 MOMENTUM = ("momentum", "nesterov")  # the optimisers that keep a momentum buffer
 
 
-def sgd_update_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor | None, cfg: LocalTraining) -> None:
+class Outer:
+    """The gradient of a cohort's stacked weight ``(k, out, in)`` as the batched product ``a @ b`` not yet formed
+    (``a``: ``(k, out, rows)``, ``b``: ``(k, rows, in)``), as the batched engine's dense step has it: the
+    backward's output gradients times the layer's inputs. :func:`sgd_update_` steps along it without making the
+    product where the step is the gradient's alone (plain SGD); everything else forms it (:meth:`tensor`)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.a, self.b = a, b
+
+    def tensor(self) -> torch.Tensor:
+        return torch.bmm(self.a, self.b)
+
+
+def sgd_update_(
+    p: torch.Tensor, g: torch.Tensor | Outer, buf: torch.Tensor | None, cfg: LocalTraining
+) -> None:
     """One SGD step of ``p`` in place from its gradient ``g``: the one definition of the rule, for a client's
     parameter (:class:`SGD`) and for a cohort's stacked parameters (the batched engine).
 
     ``torch.optim.SGD``'s rule with dampening 0: weight decay ``g + wd p``; with ``buf`` (the momentum buffer,
     zeros before the first step, so that its first value is the gradient, as torch's clone of it) ``buf = m buf
-    + g`` and the step along ``buf`` (Nesterov: ``g + m buf``); ``p -= lr * step``.
+    + g`` and the step along ``buf`` (Nesterov: ``g + m buf``); ``p -= lr * step``. A gradient given as an
+    unformed product (:class:`Outer`) is, for plain SGD, one ``p.baddbmm_(a, b, alpha=-lr)``: the same step,
+    rounded once where forming the product and subtracting it rounds twice (the last bits of ``p`` differ).
     """
+    if isinstance(g, Outer):
+        if cfg.weight_decay == 0 and buf is None:
+            p.baddbmm_(g.a, g.b, alpha=-cfg.lr)
+            return
+        g = g.tensor()
     if cfg.weight_decay != 0:
         g = g.add(p, alpha=cfg.weight_decay)
     if buf is not None:

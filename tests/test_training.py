@@ -131,3 +131,40 @@ def test_fedsims_sgd_is_torchs_sgd_bit_for_bit(optimizer, momentum, weight_decay
         opt.step()
         ref.step()
         assert all(torch.equal(o, t) for o, t in zip(ours, theirs))
+
+
+@pytest.mark.parametrize(
+    "optimizer, weight_decay", [("sgd", 0.0), ("sgd", 0.01), ("momentum", 0.0), ("nesterov", 0.01)]
+)
+def test_a_gradient_given_as_an_unformed_product_takes_the_same_sgd_step(
+    optimizer, weight_decay, monkeypatch
+):
+    """The batched engine hands ``sgd_update_`` a stacked weight's gradient as ``Outer(a, b)`` (``a @ b`` not
+    formed): plain SGD steps along it in one ``baddbmm_``, the exact step to float rounding; anything else
+    forms the product and is the formed gradient's step bit for bit."""
+    import torch
+
+    from fedsim.local import LocalTraining, Outer, sgd_update_
+
+    cfg = LocalTraining(optimizer=optimizer, lr=0.1, momentum=0.9, weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, 6, generator=gen)
+    steps = [(torch.randn(3, 4, 5, generator=gen), torch.randn(3, 5, 6, generator=gen)) for _ in range(3)]
+    keeps = optimizer != "sgd"
+    fused = []
+    real = torch.Tensor.baddbmm_
+    monkeypatch.setattr(torch.Tensor, "baddbmm_", lambda *a, **kw: fused.append(1) or real(*a, **kw))
+    lazy, formed = start.clone(), start.clone()
+    bufs = (torch.zeros_like(start), torch.zeros_like(start)) if keeps else (None, None)
+    exact = start.double()
+    for a, b in steps:
+        sgd_update_(lazy, Outer(a, b), bufs[0], cfg)
+        sgd_update_(formed, torch.bmm(a, b), bufs[1], cfg)
+        if not keeps and weight_decay == 0:
+            exact -= 0.1 * (a.double() @ b.double())
+    if keeps or weight_decay:
+        assert torch.equal(lazy, formed) and not fused
+    else:
+        torch.testing.assert_close(lazy.double(), exact, rtol=0, atol=1e-6)
+        torch.testing.assert_close(formed.double(), exact, rtol=0, atol=1e-6)
+        assert len(fused) == len(steps)  # one fused step each, the product never formed

@@ -19,10 +19,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedsim.local import Outer
 from fedsim.tasks import Classification, Task
 
 LAYERS = (nn.Linear, nn.ReLU, nn.Flatten, nn.Identity)
 _RELU_BACKWARD = torch.ops.aten.threshold_backward  # (g, out, 0): g where out > 0, else 0 (bit for bit)
+_outer = torch.bmm  # a weight's gradient formed: (k, out, rows) @ (k, rows, in)
 
 
 def supports(model: nn.Module) -> bool:
@@ -90,8 +92,15 @@ class DenseStep:
         return h
 
     def __call__(
-        self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, w: torch.Tensor
+        self,
+        params: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        w: torch.Tensor,
+        factored: bool = False,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """``factored``: each linear weight's gradient as the unformed product :class:`fedsim.local.Outer`
+        (``fedsim.local.sgd_update_`` steps along it without making it)."""
         if not self.manual:
             return self._autograd(params, x, y, w)
         saved: list = []
@@ -112,7 +121,7 @@ class DenseStep:
                 wname, bname = self.names[i]
                 rows, shape = s
                 g2 = g if shape is None else g.reshape(rows.shape[0], -1, g.shape[-1])  # (k, rows, out)
-                grads[wname] = torch.bmm(g2.transpose(1, 2), rows)  # (k, out, in)
+                grads[wname] = (Outer if factored else _outer)(g2.transpose(1, 2), rows)  # (k, out, in)
                 if bname in params:
                     grads[bname] = g2.sum(1)
                 if i > first:
