@@ -4,7 +4,8 @@ For a plain ``nn.Sequential`` of ``Flatten``/``Linear``/``ReLU``/``Identity`` la
 cross-entropy, a step of ``k`` clients is: the forward pass as one ``baddbmm`` per linear layer on
 ``(k, batch, features)`` activations; the loss's gradient written out (``softmax - onehot``, times each
 example's weight ``1/b``, 0 for padding); the backward pass as two ``bmm`` per linear layer (weights and
-inputs) and one mask per ReLU. On the CPU, the ``vmap(functional_call)`` forward and ``autograd.grad``
+inputs; the batched engine asks for the weights' one unformed, :class:`fedsim.local.Outer`, and plain SGD steps
+along it in one ``baddbmm_``) and one mask per ReLU. On the CPU, the ``vmap(functional_call)`` forward and ``autograd.grad``
 measured more than the whole of this step (their per-op dispatch dominates for a small MLP). Other losses
 (a ``Task`` that is not exactly :class:`fedsim.tasks.Classification`) take autograd through the same
 ``bmm`` forward.
