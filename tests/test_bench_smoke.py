@@ -193,7 +193,9 @@ def test_default_bench_prints_the_tight_ratio():
 
 
 def test_step_bench_times_fedsims_step_and_the_limits_on_the_same_weights():
-    out = _run(str(BENCH / "step_compare.py"), "--clients", "3", "--steps", "3", "--repeat", "2", "--inner", "2")
+    out = _run(
+        str(BENCH / "step_compare.py"), "--clients", "3", "--steps", "3", "--repeat", "2", "--inner", "2"
+    )
     assert "3 clients x 16 examples of 1x8x8, 3 steps; thread CPU per step: fedsim" in out
     assert float(out.split("weights after the steps differ by ")[1].split()[0]) <= 1e-6
 
