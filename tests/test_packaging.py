@@ -65,13 +65,13 @@ def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
         pytest.skip("needs a git checkout")
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
-    subprocess.run(
+    built = subprocess.run(
         [
             sys.executable,
             "-m",
             "pip",
             "wheel",
-            "-q",
+            "-v",  # the build backend's warnings
             "--no-deps",
             "--no-build-isolation",
             "-w",
@@ -81,7 +81,10 @@ def test_wheel_from_a_clean_clone_installs_only_fedsim(tmp_path):
         check=True,
         timeout=300,
         capture_output=True,
+        text=True,
     )
+    # every folder of the tree that ships is a package setuptools was told of (it warns of one it was not)
+    assert "is absent from the `packages` configuration" not in built.stdout + built.stderr
     [wheel] = tmp_path.glob("fedsim_flower-*.whl")  # the distribution name; the import name is fedsim
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
