@@ -922,9 +922,7 @@ def _max_diff(a: str, b: str) -> float:
     return max(float((ma[k].double() - mb[k].double()).abs().max()) for k in ma)
 
 
-def tight_compare(
-    rounds: int, repeat: int, scenarios: list[str], loads: list[str], fedsim: str = "fedsim"
-) -> None:
+def tight_compare(rounds: int, repeat: int, scenarios: list[str], loads: list[str]) -> None:
     """fedsim's default command (as a user runs it) and the tight limit, interleaved pairs in fresh processes, on
     each scenario and load; exits non-zero when a pair's models after round :data:`AGREE_ROUND` differ by more than :data:`AGREE`."""
     unknown = [sc for sc in scenarios if sc not in TIGHT]
@@ -941,8 +939,7 @@ def tight_compare(
                     order = ("fedsim", "tight") if r % 2 == 0 else ("tight", "fedsim")
                     for v in order:
                         ENV["BENCH_SAVE"] = f"{tmp}/{sc}-{v}.pt"
-                        name = fedsim if v == "fedsim" else v  # (a variant name, e.g. one with a proposal)
-                        argv = [__file__, "--child", name, "--scenario", sc, "--rounds", str(rounds)]
+                        argv = [__file__, "--child", v, "--scenario", sc, "--rounds", str(rounds)]
                         with BusyNeighbour() if ld == "busy" else contextlib.nullcontext():
                             runs.setdefault((sc, ld, v), []).append(run_child(argv))
                     if sc not in diffs and all("error" not in runs[sc, ld, v][-1] for v in order):
@@ -951,7 +948,7 @@ def tight_compare(
                         finals[sc] = _max_diff(f, t)
         ENV.pop("BENCH_SAVE", None)
     print(
-        f"\nthe tight limit (bench.tight_fedavg) / {fedsim} per round, {rounds} rounds, {repeat} interleaved pairs "
+        f"\nthe tight limit (bench.tight_fedavg) / fedsim per round, {rounds} rounds, {repeat} interleaved pairs "
         f"of fresh processes; fedsim as a user runs it (progress lines, metrics.jsonl, checkpoint.pt every 10 "
         f"rounds; a round from the end of one round's recording to the end of the next); per run the mean of "
         f"rounds 2..R; before: {before}; after: {machine_line()}"

@@ -5,8 +5,8 @@ cross-entropy, a step of ``k`` clients is: the forward pass as one ``baddbmm`` p
 ``(k, batch, features)`` activations; the loss's gradient written out (``softmax - onehot``, times each
 example's weight ``1/b``, 0 for padding); the backward pass as two ``bmm`` per linear layer (weights and
 inputs; the batched engine asks for the weights' one unformed, :class:`fedsim.local.Outer`, and plain SGD steps
-along it in one ``baddbmm_``) and one mask per ReLU. On the CPU, the ``vmap(functional_call)`` forward and ``autograd.grad``
-measured more than the whole of this step (their per-op dispatch dominates for a small MLP). Other losses
+along it in one ``baddbmm_``) and one mask per ReLU. On the CPU, the ``vmap(functional_call)`` forward and
+``autograd.grad`` measured more than the whole of this step (their per-op dispatch dominates for a small MLP). Other losses
 (a ``Task`` that is not exactly :class:`fedsim.tasks.Classification`) take autograd through the same
 ``bmm`` forward.
 
@@ -25,7 +25,6 @@ from fedsim.tasks import Classification, Task
 
 LAYERS = (nn.Linear, nn.ReLU, nn.Flatten, nn.Identity)
 _RELU_BACKWARD = torch.ops.aten.threshold_backward  # (g, out, 0): g where out > 0, else 0 (bit for bit)
-_outer = torch.bmm  # a weight's gradient formed: (k, out, rows) @ (k, rows, in)
 
 
 def supports(model: nn.Module) -> bool:
@@ -122,7 +121,8 @@ class DenseStep:
                 wname, bname = self.names[i]
                 rows, shape = s
                 g2 = g if shape is None else g.reshape(rows.shape[0], -1, g.shape[-1])  # (k, rows, out)
-                grads[wname] = (Outer if factored else _outer)(g2.transpose(1, 2), rows)  # (k, out, in)
+                a = g2.transpose(1, 2)  # the weight's gradient (k, out, in) is a @ rows
+                grads[wname] = Outer(a, rows) if factored else torch.bmm(a, rows)
                 if bname in params:
                     grads[bname] = g2.sum(1)
                 if i > first:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedsim.local import Outer, proximal_gradient_, sgd_update_
+from fedsim.local import proximal_gradient_, sgd_update_
 
 if TYPE_CHECKING:
     from fedsim.engines.vectorized import _Client
@@ -21,7 +21,8 @@ def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, los
     full = k == len(loss_sum)  # every client still trains: no views of the first k rows
     rows = params if full else {n: params[n][:k] for n in names}
     if step is not None:  # an MLP on cross-entropy: the hand-written batched step
-        per_client, by_name = step(rows, xb, yb, w, factored=True)  # weights' gradients unformed (Outer)
+        # the weights' gradients unformed (Outer) unless FedProx's term is added to them
+        per_client, by_name = step(rows, xb, yb, w, factored=anchor is None)
         grads = [by_name[n] for n in names]
     else:
         leaves = {n: rows[n].detach().requires_grad_() for n in names}
@@ -39,7 +40,6 @@ def _sgd_step(step, forward, learnt, names, local, mu, params, bufs, anchor, los
     for n, g in zip(names, grads):
         p = rows[n]
         if anchor is not None:
-            g = g.tensor() if isinstance(g, Outer) else g
             g = proximal_gradient_(g, p, anchor[n] if full else anchor[n][:k], mu)
         sgd_update_(p, g, (bufs[n] if full else bufs[n][:k]) if bufs else None, local)
 
