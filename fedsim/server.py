@@ -356,6 +356,9 @@ def _train_replies(
     if not messages:
         return 0, Cohort.from_replies([]), []
     partitions = {n: p for p, n in node_of.items()}
+    # sent in partition order, the order the cohort is aggregated in: replies that come back in message order
+    # need no reordering (a copy of every model)
+    messages = sorted(messages, key=lambda m: partitions.get(m.metadata.dst_node_id, -1))
     if hasattr(grid, "send_and_receive_cohort"):
         replies, cohort = grid.send_and_receive_cohort(messages, timeout=timeout)
         if cohort is not None:

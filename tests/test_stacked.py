@@ -86,11 +86,13 @@ def _stacked(k: int, seed: int = 0, **bad) -> Cohort:
     return Cohort(msgs, arrays, metrics)
 
 
-@pytest.mark.parametrize("at_once", [True, False], ids=["every-parameter-at-once", "parameter-by-parameter"])
+@pytest.mark.parametrize(
+    "block", [None, 1, 300], ids=["every-row-at-once", "a-row-at-a-time", "rows-in-blocks"]
+)
 @pytest.mark.parametrize("k", [1, 2, 7, 23])
-def test_the_stacked_mean_is_fedavgs_mean_bit_for_bit(k, at_once, monkeypatch):
-    if not at_once:  # a cohort too large for one float64 copy of all its models
-        monkeypatch.setattr(messages, "HOST_MEAN_AT_ONCE", 0)
+def test_the_stacked_mean_is_fedavgs_mean_bit_for_bit(k, block, monkeypatch):
+    if block is not None:  # a cohort too large for one float64 copy of all its models: blocks of rows
+        monkeypatch.setattr(messages, "HOST_MEAN_BLOCK", block)
     stacked = _stacked(k, seed=k)
     weights = [float(m[keys.NUM_EXAMPLES]) for m in stacked.metrics]
     rows = [{n: t[i].numpy() for n, t in stacked.arrays.items()} for i in range(k)]
@@ -100,6 +102,17 @@ def test_the_stacked_mean_is_fedavgs_mean_bit_for_bit(k, at_once, monkeypatch):
     for n in want:
         assert got[n].dtype == np.float64 and np.shape(got[n]) == np.shape(want[n]), n
         assert np.array_equal(got[n], want[n]), n
+
+
+def test_concat_in_an_order_is_concat_then_take_and_names_a_bad_order():
+    parts = [_stacked(3, seed=1), _stacked(1, seed=2), _stacked(4, seed=3)]
+    rows = [5, 0, 7, 3, 1, 6, 2, 4]
+    want, got = Cohort.concat(parts).take(rows), Cohort.concat(parts, rows)
+    assert got.messages == want.messages and got.metrics == want.metrics
+    assert all(torch.equal(got.arrays[n], want.arrays[n]) for n in want.arrays)
+    assert Cohort.concat(parts[:1], [2, 0, 1]).metrics == parts[0].take([2, 0, 1]).metrics
+    with pytest.raises(ValueError, match="each of the 8 rows once"):
+        Cohort.concat(parts, [0, 0, 1, 2, 3, 4, 5, 6])
 
 
 def test_the_mean_on_a_gpu_is_the_mean_to_float64_rounding():

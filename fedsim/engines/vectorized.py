@@ -202,10 +202,13 @@ class VectorizedGrid(PoolGrid):
         ids = list(self.push_messages(messages))
         batch = [self._pending.pop(mid) for mid in ids]
         done, parts = self._run_stacked(batch, None if timeout is None else time.monotonic() + timeout)
-        stacked = Cohort.concat(parts) if parts and not done and len(ids) == len(messages) else None
-        if stacked is not None and len(stacked) == len(ids):
-            row = {id(msg): i for i, msg in enumerate(stacked.messages)}  # the messages pushed, as they were
-            return [], stacked.take([row[id(msg)] for msg in batch])
+        if parts and not done and len(ids) == len(messages) and sum(map(len, parts)) == len(ids):
+            row = {id(msg): i for i, msg in enumerate(m for p in parts for m in p.messages)}
+            stacked = Cohort.concat(
+                parts, [row[id(msg)] for msg in batch]
+            )  # the messages pushed, as they were
+            if stacked is not None:
+                return [], stacked
         for part in parts:
             done.update(_by_id(part))
         return [done[mid] for mid in ids if mid in done], None
