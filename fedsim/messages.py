@@ -347,22 +347,20 @@ class Cohort:
         }
 
 
-# float64 values of the work matrix of :func:`host_mean`: a block of rows at a time, small enough to stay in the
-# CPU's cache while it is summed (512 KiB; the whole stack at once was a 125 MB copy at 100 MLP clients of 28x28)
+# float64 values of the work matrix of :func:`host_mean` (512 KiB): a block of rows at a time, and of a row a
+# window of columns where one row of the model is larger, so the matrix stays in the CPU's cache while it is
+# summed and is reused from round to round (the whole stack at once was a 40 MB float64 copy at 100 MLP clients
+# of 28x28)
 HOST_MEAN_BLOCK = 1 << 16
 
 
 _SCRATCH = threading.local()
-SCRATCH_LIMIT = 64 * 2**20  # bytes of float64 scratch kept between rounds (larger stacks allocate each time)
 
 
 def _scratch(rows: int, cols: int) -> np.ndarray:
-    """A ``(rows, cols)`` float64 work matrix, reused from round to round (this thread's) up to
-    :data:`SCRATCH_LIMIT`: a fresh multi-MB array each round costs its page faults again (about 1 us a client
-    at 100 MLP clients)."""
+    """A ``(rows, cols)`` float64 work matrix, this thread's, reused from round to round (a fresh one costs its
+    page faults again)."""
     n = rows * cols
-    if n * 8 > SCRATCH_LIMIT:
-        return np.empty((rows, cols))
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.size < n:
         buf = _SCRATCH.buf = np.empty(n)
@@ -373,29 +371,32 @@ def host_mean(tensors: dict[str, torch.Tensor], w: np.ndarray) -> dict[str, np.n
     """``sum_i w[i] x[i]`` in float64 of CPU tensors ``(rows, *shape)``, with numpy (one thread, whatever torch's
     thread count): every tensor at once as one ``(rows, values)`` matrix, each value the same products and sums in
     the same order as ``fedsim.aggregate.weighted_mean`` (``acc = w[0] x[0]``, then ``+= w[i] x[i]``), taken
-    :data:`HOST_MEAN_BLOCK` values of rows at a time (a float64 copy of a few rows, not of the stack).
-    The results are views into one buffer."""
+    :data:`HOST_MEAN_BLOCK` float64 values at a time (a block of rows, or a window of one row's columns: a copy
+    of a few rows, never of the stack). The results are views into one buffer."""
     flat = [x.numpy().reshape(len(w), -1) for x in tensors.values()]
-    if not flat:
-        return {}
-    cols = sum(f.shape[1] for f in flat)
-    acc = np.empty(cols)
-    step = max(1, HOST_MEAN_BLOCK // max(cols, 1))
-    for r0 in range(0, len(w), step):
-        r1 = min(r0 + step, len(w))
-        terms = _scratch(r1 - r0, cols)
-        np.concatenate([f[r0:r1] for f in flat], axis=1, out=terms)  # cast to float64 as it is copied (exact)
-        terms *= w[r0:r1, None]
-        rows = iter(terms)
-        if r0 == 0:
-            acc[:] = next(rows)
-        for term in rows:
-            acc += term
-    out, start = {}, 0
-    for (n, x), f in zip(tensors.items(), flat):
-        out[n] = acc[start : start + f.shape[1]].reshape(x.shape[1:])
-        start += f.shape[1]
-    return out
+    bounds = np.cumsum([0, *(f.shape[1] for f in flat)]).tolist()
+    acc = np.empty(bounds[-1])
+    width = max(1, min(bounds[-1], HOST_MEAN_BLOCK))  # columns of a window
+    step = max(1, HOST_MEAN_BLOCK // width)  # rows of a block
+    for c0 in range(0, bounds[-1], width):
+        c1 = min(c0 + width, bounds[-1])
+        pieces = [
+            f[:, max(c0, a) - a : min(c1, b) - a]
+            for f, a, b in zip(flat, bounds, bounds[1:])
+            if a < c1 and b > c0
+        ]
+        window = acc[c0:c1]
+        for r0 in range(0, len(w), step):
+            r1 = min(r0 + step, len(w))
+            terms = _scratch(r1 - r0, c1 - c0)
+            np.concatenate([p[r0:r1] for p in pieces], axis=1, out=terms)  # cast to float64 as copied (exact)
+            terms *= w[r0:r1, None]
+            rows = iter(terms)
+            if r0 == 0:
+                window[:] = next(rows)
+            for term in rows:
+                window += term
+    return {n: acc[a:b].reshape(x.shape[1:]) for (n, x), a, b in zip(tensors.items(), bounds, bounds[1:])}
 
 
 def _model_record(reply: Message) -> ArrayRecord:

@@ -87,11 +87,15 @@ def _stacked(k: int, seed: int = 0, **bad) -> Cohort:
 
 
 @pytest.mark.parametrize(
-    "block", [None, 1, 300], ids=["every-row-at-once", "a-row-at-a-time", "rows-in-blocks"]
+    "block",
+    [None, 300, 8, 1],
+    ids=["every-row-at-once", "rows-in-blocks", "windows-of-a-row", "value-by-value"],
 )
 @pytest.mark.parametrize("k", [1, 2, 7, 23])
 def test_the_stacked_mean_is_fedavgs_mean_bit_for_bit(k, block, monkeypatch):
-    if block is not None:  # a cohort too large for one float64 copy of all its models: blocks of rows
+    if (
+        block is not None
+    ):  # blocks of 14 rows of the 21 values; windows of 8 values of a row, across parameters
         monkeypatch.setattr(messages, "HOST_MEAN_BLOCK", block)
     stacked = _stacked(k, seed=k)
     weights = [float(m[keys.NUM_EXAMPLES]) for m in stacked.metrics]
