@@ -203,10 +203,9 @@ class VectorizedGrid(PoolGrid):
         batch = [self._pending.pop(mid) for mid in ids]
         done, parts = self._run_stacked(batch, None if timeout is None else time.monotonic() + timeout)
         if parts and not done and len(ids) == len(messages) and sum(map(len, parts)) == len(ids):
+            # the rows in the order the messages were pushed (one copy from the parts, sorted by step count)
             row = {id(msg): i for i, msg in enumerate(m for p in parts for m in p.messages)}
-            stacked = Cohort.concat(
-                parts, [row[id(msg)] for msg in batch]
-            )  # the messages pushed, as they were
+            stacked = Cohort.concat(parts, [row[id(msg)] for msg in batch])
             if stacked is not None:
                 return [], stacked
         for part in parts:
