@@ -83,11 +83,14 @@ def normalised_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
+def _stack(models: Sequence[Arrays]) -> dict[str, np.ndarray]:
+    """The models stacked per parameter, ``(n, *shape)`` in float64: what the ``*_stacked`` functions take."""
+    return {k: np.stack([np.asarray(m[k], np.float64) for m in models]) for k in models[0]}
+
+
 def coordinate_median(models: Sequence[Arrays]) -> dict[str, np.ndarray]:
     """Coordinate-wise median (Yin et al. 2018); with an even count, the mean of the two middle values."""
-    return coordinate_median_stacked(
-        {k: np.stack([np.asarray(m[k], np.float64) for m in models]) for k in models[0]}
-    )
+    return coordinate_median_stacked(_stack(models))
 
 
 def coordinate_median_stacked(stacks: Arrays) -> dict[str, np.ndarray]:
@@ -100,9 +103,7 @@ def trimmed_mean(models: Sequence[Arrays], beta: float) -> dict[str, np.ndarray]
 
     Same convention as ``scipy.stats.trim_mean``; ``beta`` must lie in [0, 0.5).
     """
-    return trimmed_mean_stacked(
-        {k: np.stack([np.asarray(m[k], np.float64) for m in models]) for k in models[0]}, beta
-    )
+    return trimmed_mean_stacked(_stack(models), beta)
 
 
 def trimmed_mean_stacked(stacks: Arrays, beta: float) -> dict[str, np.ndarray]:

@@ -34,6 +34,7 @@ from flwr.app import ArrayRecord
 
 from fedsim import checkpoint_fields as fields
 from fedsim.errors import ConfigError
+from fedsim.messages import global_state
 from fedsim.recorder import atomic_torch_save
 from fedsim.safe_pickle import (  # noqa: F401  (the safe reader's names, as before it had a file of its own)
     _DTYPE_CODES,
@@ -244,7 +245,7 @@ def save(
             "round": state.round,
             "sim_time": state.sim_time,
             "extra": _plain_extra(state.carried()),
-            "arrays": state.arrays.to_torch_state_dict(),
+            "arrays": global_state(state.arrays),  # parsed once a round (the evaluation parsed it already)
             **_strategy_fields(strategy),
             "history": history,
             "config": config,
