@@ -10,6 +10,8 @@ test_deploy's federation (a module fixture) is started once.
 import re
 import signal
 
+import pytest
+
 from fedsim.config import flower_env
 
 flower_env()
@@ -55,3 +57,15 @@ def pytest_xdist_make_scheduler(config, log):
             return "services" if services(nodeid) else nodeid
 
     return Services(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _pictures_only_where_asked(request, monkeypatch):
+    """A run in the test's process draws no pictures unless the test is marked ``pictures``: the drawing process
+    (fedsim.figures.FigureWorker) takes about 1.3 s of CPU a run, a tiny run about 0.15 s. Runs started as commands
+    (``fedsim ...`` in a subprocess) draw theirs as always."""
+    if request.node.get_closest_marker("pictures") is None:
+        import fedsim.run
+        from helpers import NoPictures
+
+        monkeypatch.setattr(fedsim.run, "start_figures", NoPictures)

@@ -20,6 +20,24 @@ def compose_cfg(*overrides: str):
     return compose(*overrides)
 
 
+class NoPictures:
+    """Stands in for the process that draws a run's ``partitions.png`` and ``curves.png`` (fedsim.figures): the run
+    asks for its pictures as always and nothing draws them. tests/conftest.py puts it in for every test not marked
+    ``pictures``: the drawing process takes about 1.3 s of CPU a run (matplotlib's import and two drawings), a tiny
+    run about 0.15 s."""
+
+    unanswered: tuple = ()  # pictures the worker left undrawn (fedsim.run draws those itself)
+
+    def draw(self, *args, **kwargs) -> bool:
+        return True
+
+    def finish(self, timeout: float = 0.0) -> dict:
+        return {}
+
+    def cancel(self) -> None:
+        pass
+
+
 def run_tiny(out_dir: Path, *overrides: str) -> dict:
     """Run a tiny experiment in-process; return its summary."""
     from fedsim.run import run_experiment

@@ -54,6 +54,7 @@ def test_resume_with_adaptive_clipping_and_accountant_is_bit_identical(tmp_path)
     assert _same_models(tmp_path / "resumed", tmp_path / "full")
 
 
+@pytest.mark.pictures  # looks at the run's pictures
 @pytest.mark.slow
 def test_ctrl_c_leaves_checkpoint_and_outputs(tmp_path, monkeypatch):
     import fedsim.server as server

@@ -42,6 +42,7 @@ def test_a_run_records_the_bytes_of_each_round(tmp_path):
     assert "bytes_up" not in read_metrics(tmp_path)[0]  # round 0 sends nothing
 
 
+@pytest.mark.pictures  # looks at the run's pictures
 @pytest.mark.slow
 def test_summary_and_sweep_summary_carry_the_total_bytes_and_curves_plot_against_them(tmp_path):
     import matplotlib.image

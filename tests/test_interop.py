@@ -732,7 +732,7 @@ def _run_overrides(app: str, extra: str) -> str:
 
 
 @pytest.mark.slow  # starts Flower's SuperLink, SuperExec and SuperNodes
-@pytest.mark.parametrize("app, nodes, rounds, per_round", [("quickstart", 3, 2, 3), ("pytorchapp", 4, 3, 2)])
+@pytest.mark.parametrize("app, nodes, rounds, per_round", [("quickstart", 2, 2, 2), ("pytorchapp", 4, 3, 2)])
 def test_the_stock_apps_train_under_fedsims_serverapp_through_flwr_run(
     app, nodes, rounds, per_round, tmp_path, flower_here
 ):

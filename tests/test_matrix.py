@@ -10,6 +10,8 @@ suite, the rest are ``slow``; a few cells also run on ``engine=ray``.
 
 from __future__ import annotations
 
+import copy
+import functools
 import importlib.util
 import math
 from pathlib import Path
@@ -41,35 +43,41 @@ def _cells():
             yield pytest.param(s, f, marks=marks, id=f"{s}-{f.replace(', ', '+')}")
 
 
-class _NoPictures:
-    """Stands in for the process that draws partitions.png and curves.png (about a second a run; the pictures
-    are not compared)."""
+def _composed(strategy: str, feature: str, engine: str):
+    """The cell's config on ``engine``: composed by Hydra with ``engine=auto`` (the default), its ``engine``
+    node replaced by the group's option as Hydra replaces it for ``engine=...``. One Hydra composition a cell
+    instead of one per engine; test_an_engine_put_in_is_what_hydra_composes checks the two are the same."""
+    from omegaconf import OmegaConf
 
-    unanswered: tuple = ()  # pictures the worker left undrawn (fedsim.run draws those itself)
-
-    def draw(self, *args, **kwargs) -> bool:
-        return True
-
-    def finish(self, timeout: float = 0.0) -> dict:
-        return {}
-
-    def cancel(self) -> None:
-        pass
+    cfg = _hydra_composed(strategy, feature)
+    if engine != "auto":
+        cfg = copy.deepcopy(cfg)
+        cfg.engine = OmegaConf.load(ROOT / "conf" / "engine" / f"{engine}.yaml")
+    return cfg
 
 
-@pytest.fixture
-def no_pictures(monkeypatch):
-    import fedsim.run
-
-    monkeypatch.setattr(fedsim.run, "start_figures", _NoPictures)
+@functools.lru_cache(maxsize=1)  # the cell's two runs, one after the other
+def _hydra_composed(strategy: str, feature: str):
+    return compose_cfg(*matrix.overrides(strategy, feature))
 
 
 def _run(out: Path, strategy: str, feature: str, engine: str):
-    """The cell's run on ``engine`` (composed as the command line composes it): its config and summary."""
+    """The cell's run on ``engine`` (its config as the command line composes it): its config and summary."""
     from fedsim.run import run_experiment
 
-    cfg = compose_cfg(*matrix.overrides(strategy, feature), f"engine={engine}")
-    return cfg, run_experiment(cfg, out)
+    cfg = _composed(strategy, feature, engine)
+    return cfg, run_experiment(copy.deepcopy(cfg), out)
+
+
+@pytest.mark.parametrize("engine", ["inprocess", "ray", "vectorized", "auto"])
+@pytest.mark.parametrize("strategy, feature", [("scaffold", "none"), ("fedprox", "DP, clipping=fixed")])
+def test_an_engine_put_in_is_what_hydra_composes(strategy, feature, engine):
+    from omegaconf import OmegaConf
+
+    want = compose_cfg(*matrix.overrides(strategy, feature), f"engine={engine}")
+    got = _composed(strategy, feature, engine)
+    assert OmegaConf.to_container(got) == OmegaConf.to_container(want)
+    assert OmegaConf.to_yaml(got) == OmegaConf.to_yaml(want)  # the keys in the same order too
 
 
 def _tolerance(cfg, run_dir: Path) -> float:
@@ -115,7 +123,7 @@ def test_the_matrix_lists_every_shipped_strategy_and_feature():
 
 @pytest.mark.parametrize("strategy, feature", list(_cells()))
 def test_each_cell_agrees_on_both_engines_or_is_refused_before_training(
-    tmp_path, no_pictures, strategy, feature
+    tmp_path, strategy, feature
 ):
     expected = matrix.verdict(strategy, feature)  # the table's verdict (bench/matrix.py)
     if expected is None:
@@ -142,7 +150,7 @@ RAY_CELLS = [("scaffold", "none"), ("fedavg", "compression=topk"), ("fedprox", "
 
 
 @pytest.mark.slow  # starts Ray once per cell
-def test_a_sample_of_cells_agrees_on_ray(tmp_path, no_pictures):
+def test_a_sample_of_cells_agrees_on_ray(tmp_path):
     """Stateful clients (SCAFFOLD's control variates, top-k's error feedback) and DP's sampler and noise on Ray's
     actors give the inprocess result. (Flower's simulation starts and stops Ray with every run.)"""
     import ray

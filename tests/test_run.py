@@ -14,6 +14,7 @@ from fedsim.errors import ConfigError
 from fedsim.server import sample_cohort
 
 
+@pytest.mark.pictures  # looks at the run's pictures
 def test_run_folder_has_every_output(tmp_path):
     summary = run_tiny(tmp_path)
     for name in (
@@ -44,6 +45,7 @@ def test_run_folder_has_every_output(tmp_path):
     net.load_state_dict(torch.load(tmp_path / "model.pt"))
 
 
+@pytest.mark.pictures  # looks at the run's pictures
 def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
     from fedsim import figures
 
@@ -61,6 +63,7 @@ def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatc
         assert f"{png} not written: matplotlib is broken here" in caplog.text
 
 
+@pytest.mark.pictures  # looks at the run's pictures
 @pytest.mark.parametrize(
     "serve",
     [

@@ -108,6 +108,7 @@ def test_federated_regression_equals_centralised_gradient_descent(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ a regression run
+@pytest.mark.pictures  # looks at the run's pictures
 @pytest.mark.slow
 def test_a_regression_run_names_every_output_after_r2(tmp_path):
     summary = run_tiny(tmp_path, *REGRESSION, "num_rounds=3", "federated_eval=true", "target_r2=-100")
