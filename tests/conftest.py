@@ -65,7 +65,8 @@ def _pictures_only_where_asked(request, monkeypatch):
     (fedsim.figures.FigureWorker) takes about 1.3 s of CPU a run, a tiny run about 0.15 s. Runs started as commands
     (``fedsim ...`` in a subprocess) draw theirs as always."""
     if request.node.get_closest_marker("pictures") is None:
-        import fedsim.run
         from helpers import NoPictures
+
+        import fedsim.run
 
         monkeypatch.setattr(fedsim.run, "start_figures", NoPictures)

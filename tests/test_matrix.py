@@ -122,9 +122,7 @@ def test_the_matrix_lists_every_shipped_strategy_and_feature():
 
 
 @pytest.mark.parametrize("strategy, feature", list(_cells()))
-def test_each_cell_agrees_on_both_engines_or_is_refused_before_training(
-    tmp_path, strategy, feature
-):
+def test_each_cell_agrees_on_both_engines_or_is_refused_before_training(tmp_path, strategy, feature):
     expected = matrix.verdict(strategy, feature)  # the table's verdict (bench/matrix.py)
     if expected is None:
         cfg, ref = _run(tmp_path / "inprocess", strategy, feature, "inprocess")
