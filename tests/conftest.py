@@ -37,7 +37,8 @@ SERVICES_FILES = (
     "test_netns_churn.py",
     "test_netns_ray.py",
 )
-SERVICES_NAMES = re.compile(r"ray|simulation|sigterm|sigkill|signal|ctrl_c|interrupt")
+# "ray" as a word of the test name (not in "arrays")
+SERVICES_NAMES = re.compile(r"(?:^|[_=\[-])ray(?:[_\]-]|$)|simulation|sigterm|sigkill|signal|ctrl_c|interrupt")
 
 
 def services(nodeid: str) -> bool:

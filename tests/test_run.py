@@ -271,6 +271,7 @@ def test_federated_evaluation_skips_clients_without_validation_examples(tmp_path
     assert all("fed_eval_accuracy" not in r for r in read_metrics(tmp_path))
 
 
+@pytest.mark.pictures  # looks at the run's pictures
 @pytest.mark.slow
 def test_privacy_budget_stops_cleanly_keeping_outputs(tmp_path):
     summary = run_tiny(
