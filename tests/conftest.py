@@ -38,7 +38,9 @@ SERVICES_FILES = (
     "test_netns_ray.py",
 )
 # "ray" as a word of the test name (not in "arrays")
-SERVICES_NAMES = re.compile(r"(?:^|[_=\[-])ray(?:[_\]-]|$)|simulation|sigterm|sigkill|signal|ctrl_c|interrupt")
+SERVICES_NAMES = re.compile(
+    r"(?:^|[_=\[-])ray(?:[_\]-]|$)|simulation|sigterm|sigkill|signal|ctrl_c|interrupt"
+)
 
 
 def services(nodeid: str) -> bool:
