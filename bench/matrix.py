@@ -92,19 +92,25 @@ def _composed(strategy: str):
     return compose(*BASE, f"strategy={strategy}")
 
 
-def cell_config(strategy: str, feature: str):
-    """The cell's config: the strategy's row composed by Hydra once, the feature's group options and keys put
-    in as Hydra would (a group option replaces its node; tests/test_matrix.py composes every cell it runs with
-    Hydra itself and checks the verdict is the same)."""
+def put_in(cfg, override: str) -> None:
+    """``override`` (``key=value``, as on the command line) put in ``cfg`` as Hydra would: a dotted key's value
+    set, a group option's file replacing the group's node."""
     from omegaconf import OmegaConf
 
+    key, value = override.split("=", 1)
+    if "." in key:
+        OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
+    else:
+        cfg[key] = OmegaConf.load(CONF / key / f"{value}.yaml")
+
+
+def cell_config(strategy: str, feature: str):
+    """The cell's config: the strategy's row composed by Hydra once, the feature's group options and keys put
+    in as Hydra would (:func:`put_in`; tests/test_matrix.py composes every cell it runs with Hydra itself, the
+    other engine put in the same way, and checks the verdict is the same)."""
     cfg = copy.deepcopy(_composed(strategy))
     for override in features()[feature]:
-        key, value = override.split("=", 1)
-        if "." in key:
-            OmegaConf.update(cfg, key, yaml.safe_load(value), merge=False)
-        else:
-            cfg[key] = OmegaConf.load(CONF / key / f"{value}.yaml")
+        put_in(cfg, override)
     return cfg
 
 

@@ -22,9 +22,8 @@ def compose_cfg(*overrides: str):
 
 class NoPictures:
     """Stands in for the process that draws a run's ``partitions.png`` and ``curves.png`` (fedsim.figures): the run
-    asks for its pictures as always and nothing draws them. tests/conftest.py puts it in for every test not marked
-    ``pictures``: the drawing process takes about 1.3 s of CPU a run (matplotlib's import and two drawings), a tiny
-    run about 0.15 s."""
+    asks for its pictures as always and nothing draws them (tests/conftest.py puts it in for every test not
+    marked ``pictures``)."""
 
     unanswered: tuple = ()  # pictures the worker left undrawn (fedsim.run draws those itself)
 

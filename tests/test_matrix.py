@@ -44,15 +44,11 @@ def _cells():
 
 
 def _composed(strategy: str, feature: str, engine: str):
-    """The cell's config on ``engine``: composed by Hydra with ``engine=auto`` (the default), its ``engine``
-    node replaced by the group's option as Hydra replaces it for ``engine=...``. One Hydra composition a cell
-    instead of one per engine; test_an_engine_put_in_is_what_hydra_composes checks the two are the same."""
-    from omegaconf import OmegaConf
-
-    cfg = _hydra_composed(strategy, feature)
-    if engine != "auto":
-        cfg = copy.deepcopy(cfg)
-        cfg.engine = OmegaConf.load(ROOT / "conf" / "engine" / f"{engine}.yaml")
+    """The cell's config on ``engine`` (a fresh copy): composed by Hydra with ``engine=auto`` (the default), then
+    ``engine=...`` put in as Hydra would (``matrix.put_in``). One Hydra composition a cell instead of one per
+    engine; test_an_engine_put_in_is_what_hydra_composes checks the two are the same."""
+    cfg = copy.deepcopy(_hydra_composed(strategy, feature))
+    matrix.put_in(cfg, f"engine={engine}")
     return cfg
 
 
@@ -66,7 +62,7 @@ def _run(out: Path, strategy: str, feature: str, engine: str):
     from fedsim.run import run_experiment
 
     cfg = _composed(strategy, feature, engine)
-    return cfg, run_experiment(copy.deepcopy(cfg), out)
+    return cfg, run_experiment(cfg, out)
 
 
 @pytest.mark.parametrize("engine", ["inprocess", "ray", "vectorized", "auto"])
