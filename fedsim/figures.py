@@ -1,29 +1,37 @@
 """The run folder's pictures (``partitions.png``, ``curves.png``), drawn by a separate Python process.
 
-A run starts a :class:`FigureWorker` when it begins: a Python with the run's ``sys.path`` that imports matplotlib
-and draws ``partitions.png`` while the run trains, then ``curves.png`` from the records the run sends when it
-ends. The run's own process never imports matplotlib (its import and the two drawings take about 1.2 s of a
-one-minute run on 2 cores); where no process can start, the run draws the pictures itself. Requests and answers
-are JSON lines on the worker's stdin and stdout.
+A run asks for its pictures of a :class:`FigureWorker`: a Python with the run's ``sys.path`` that imports
+matplotlib and draws ``partitions.png`` while the run trains, then ``curves.png`` from the records the run sends
+when it ends. The run's own process never imports matplotlib (its import and the two drawings take about 1.2 s
+of CPU, a one-minute run's 2 %, a tiny run's most). One worker serves every run of a Python process in turn (a
+sweep's jobs, a notebook's runs: :func:`for_run`), so the import is paid once a process; it ends with the
+process. Where no process can start, the run draws the pictures itself. Requests and answers are JSON lines on
+the worker's stdin and stdout.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from fedsim import schema
 
-__all__ = ["FigureWorker", "draw_here", "plot_curves"]
+__all__ = ["FigureWorker", "RunPictures", "draw_here", "end_worker", "for_run", "plot_curves"]
 
 
 class FigureWorker:
-    """A process that draws the run's pictures; :meth:`draw` asks for one, :meth:`finish` waits for all.
+    """A process that draws pictures; :meth:`draw` asks for one, :meth:`finish` waits for all and ends it.
 
-    Raises ``OSError`` when the process cannot be started.
+    A run asks through a :class:`RunPictures` (:func:`for_run`), which waits for its own pictures only and leaves
+    the worker to the process's next run. Raises ``OSError`` when the process cannot be started.
     """
 
     def __init__(self) -> None:
@@ -39,45 +47,191 @@ class FigureWorker:
             text=True,
             start_new_session=True,  # a Ctrl-C at the terminal is the run's to handle; it then asks for curves
         )
+        self.pid = os.getpid()  # the process that started it (a forked child starts its own)
         self.asked: list[str] = []
         self.unanswered: list[str] = []  # after finish(): pictures the worker ended without answering
+        self._numbers: list[int] = []  # the requests behind ``asked``
+        self._answers: dict[int, str | None] = {}  # request number -> None (drawn) or why not
+        self._answered = threading.Condition()
+        self._ended = False  # its stdout closed: it answers no more
+        self._closed = False  # finish() or cancel() was called: it takes no more requests
+        self._errors: collections.deque[str] = collections.deque(maxlen=5)  # its last stderr lines
+        self._write = threading.Lock()
+        self._readers = [
+            threading.Thread(target=self._read_answers, daemon=True, name="fedsim-figures-out"),
+            threading.Thread(target=self._read_errors, daemon=True, name="fedsim-figures-err"),
+        ]
+        for t in self._readers:
+            t.start()
+
+    def request(self, kind: str, png: str | Path, **request) -> int | None:
+        """Ask for ``partitions`` (``stats``: the path of partitions.json) or ``curves`` (``records``, ``title``,
+        ``metric``: :func:`plot_curves`'s arguments) written to ``png``: the request's number, or None when the
+        worker is gone or finished."""
+        with self._write:
+            if self._closed or self._ended:
+                return None
+            number = len(self._numbers) + 1
+            try:
+                self.proc.stdin.write(
+                    json.dumps({"id": number, "kind": kind, "png": str(png), **request}) + "\n"
+                )
+                self.proc.stdin.flush()
+            except (OSError, ValueError):  # the worker has ended (broken pipe)
+                return None
+            self._numbers.append(number)
+            self.asked.append(str(png))
+            return number
 
     def draw(self, kind: str, png: str | Path, **request) -> bool:
-        """Ask for ``partitions`` (``stats``: the path of partitions.json) or ``curves`` (``records``, ``title``,
-        ``metric``: :func:`plot_curves`'s arguments) written to ``png``; False when the worker is gone."""
-        try:
-            self.proc.stdin.write(json.dumps({"kind": kind, "png": str(png), **request}) + "\n")
-            self.proc.stdin.flush()
-        except (OSError, ValueError):  # the worker has ended (broken pipe) or was finished
-            return False
-        self.asked.append(str(png))
-        return True
+        """:meth:`request`: False when the worker is gone or finished."""
+        return self.request(kind, png, **request) is not None
+
+    def wait(self, numbers: list[int], timeout: float) -> dict[int, str | None] | None:
+        """The answers to requests ``numbers`` (None: drawn, else why not) once all are in or the worker has
+        ended (those it never answered are missing); None when ``timeout`` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        with self._answered:
+            while not self._ended and not all(n in self._answers for n in numbers):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._answered.wait(left)
+            return {n: self._answers[n] for n in numbers if n in self._answers}
+
+    def pending(self, numbers: list[int]) -> bool:
+        """Whether a request of ``numbers`` is still unanswered by a worker that runs."""
+        with self._answered:
+            return not self._ended and any(n not in self._answers for n in numbers)
+
+    def why_gone(self) -> str:
+        """Why a request was not answered: the worker's last line on stderr, else its exit status."""
+        if self._ended:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+            self._readers[1].join(timeout=5)
+        if self._errors:
+            return self._errors[-1]
+        return f"the drawing process ended with status {self.proc.returncode}"
+
+    def alive(self) -> bool:
+        """Whether it still takes requests."""
+        return not (self._closed or self._ended) and self.proc.poll() is None
 
     def finish(self, timeout: float = 300.0) -> dict[str, str | None]:
-        """Wait for every picture asked for; ``{png: None}`` for one written, else why it is not (one line).
-        Those the worker ended without answering (it died, or did not start drawing) are in ``unanswered``."""
-        try:
-            out, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        """End the worker once every picture asked for is drawn; ``{png: None}`` for one written, else why it is
+        not (one line). Those the worker ended without answering (it died, or did not start drawing) are in
+        ``unanswered``."""
+        with self._write:
+            self._closed = True
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        answers = self.wait(self._numbers, timeout)
+        if answers is None:
             self.cancel()
-            out, err = "", f"drawing took more than {timeout:.0f} s"
-        answered = {}
-        for line in out.splitlines():
+            answers, gone = {}, f"drawing took more than {timeout:.0f} s"
+        else:
             try:
-                answer = json.loads(line)
-                answered[answer["png"]] = answer["error"]
-            except (ValueError, KeyError, TypeError):
-                continue
-        lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
-        gone = lines[-1] if lines else f"the drawing process ended with status {self.proc.returncode}"
-        self.unanswered = [png for png in self.asked if png not in answered]
-        return {png: answered.get(png, gone) for png in self.asked}
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.cancel()
+            gone = ""
+        self.unanswered = [png for n, png in zip(self._numbers, self.asked) if n not in answers]
+        if self.unanswered and not gone:
+            gone = self.why_gone()
+        return {png: answers.get(n, gone) for n, png in zip(self._numbers, self.asked)}
 
     def cancel(self) -> None:
         """End the worker if it still runs (a run that stops without its outputs)."""
+        with self._write:
+            self._closed = True
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate()
+        self.proc.wait()
+        for t in self._readers:
+            t.join(timeout=5)
+
+    def _read_answers(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                answer = json.loads(line)
+                number, error = int(answer["id"]), answer["error"]
+            except (ValueError, KeyError, TypeError):
+                continue
+            with self._answered:
+                self._answers[number] = error
+                self._answered.notify_all()
+        with self._answered:
+            self._ended = True
+            self._answered.notify_all()
+
+    def _read_errors(self) -> None:
+        for line in self.proc.stderr:
+            if line.strip():
+                self._errors.append(line.strip())
+
+
+class RunPictures:
+    """One run's pictures, asked of a :class:`FigureWorker` that other runs of the process share in turn:
+    :meth:`finish` waits for this run's pictures only and leaves the worker running."""
+
+    def __init__(self, worker: FigureWorker) -> None:
+        self.worker = worker
+        self.asked: list[tuple[int, str]] = []
+        self.unanswered: list[str] = []  # after finish(): pictures the worker ended without answering
+
+    def draw(self, kind: str, png: str | Path, **request) -> bool:
+        """Ask for a picture (:meth:`FigureWorker.request`); False when the worker is gone."""
+        number = self.worker.request(kind, png, **request)
+        if number is None:
+            return False
+        self.asked.append((number, str(png)))
+        return True
+
+    def finish(self, timeout: float = 300.0) -> dict[str, str | None]:
+        """Wait for this run's pictures: ``{png: None}`` for one written, else why it is not (one line); those the
+        worker ended without answering are in ``unanswered``. A worker that takes longer than ``timeout`` is
+        ended."""
+        answers = self.worker.wait([n for n, _ in self.asked], timeout)
+        if answers is None:
+            self.worker.cancel()
+            answers, gone = {}, f"drawing took more than {timeout:.0f} s"
+        else:
+            gone = ""
+        self.unanswered = [png for n, png in self.asked if n not in answers]
+        if self.unanswered and not gone:
+            gone = self.worker.why_gone()
+        return {png: answers.get(n, gone) for n, png in self.asked}
+
+    def cancel(self) -> None:
+        """A run that stops without its outputs: the worker is ended if it still draws for this run (a
+        picture nobody waits for is not worth its CPU; the process's next run starts a fresh one)."""
+        if self.worker.pending([n for n, _ in self.asked]):
+            self.worker.cancel()
+
+
+_SHARED: list[FigureWorker] = []  # the worker this process's runs share
+_SHARED_LOCK = threading.Lock()
+
+
+def for_run() -> RunPictures:
+    """A run's pictures, drawn by this process's shared worker (started on first use, and again when the one
+    before has ended). Raises ``OSError`` when no process can start."""
+    with _SHARED_LOCK:
+        if not (_SHARED and _SHARED[0].pid == os.getpid() and _SHARED[0].alive()):
+            _SHARED[:] = [FigureWorker()]
+        return RunPictures(_SHARED[0])
+
+
+@atexit.register
+def end_worker(timeout: float = 5.0) -> None:
+    """End this process's shared worker once it has drawn what it was asked (at exit it ends with the process;
+    a notebook may end it sooner to give its memory back). The next run starts a fresh one."""
+    with _SHARED_LOCK:
+        workers, _SHARED[:] = list(_SHARED), []
+    for w in workers:
+        if w.pid == os.getpid() and w.proc.poll() is None:
+            w.finish(timeout=timeout)
 
 
 def draw_here(png: Path, records: list[dict], title: str = "", metric: str = "accuracy") -> str | None:
@@ -129,7 +283,7 @@ def _serve() -> None:
             error = None
         except Exception as e:  # noqa: BLE001  (reported to the run, which warns)
             error = f"{type(e).__name__}: {e}".splitlines()[0]
-        print(json.dumps({"png": req["png"], "error": error}), flush=True)
+        print(json.dumps({"id": req.get("id"), "png": req["png"], "error": error}), flush=True)
 
 
 _SERVE = "from fedsim.figures import _serve; _serve()"

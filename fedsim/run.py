@@ -39,7 +39,7 @@ from fedsim.config import keep_freed_memory, quiet_loggers
 from fedsim.engines import EngineRunner
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
 from fedsim.experiment import Experiment, build_experiment
-from fedsim.figures import FigureWorker, draw_here
+from fedsim.figures import RunPictures, draw_here, for_run
 from fedsim.grid_utils import StoppableView
 from fedsim.recorder import (
     Recorder,
@@ -202,7 +202,7 @@ class Run:
         self.strategy = exp.strategy
         self.state = RunState(arrays=ArrayRecord(exp.initial_model.state_dict()))
         self.error: str | None = None  # why a failed run failed
-        self.figures: FigureWorker | None = None  # the process drawing partitions.png and curves.png
+        self.figures: RunPictures | None = None  # this run's pictures, drawn by the process's figure worker
         self.signal: int | None = None  # the signal that interrupted it
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         self.give_up = FailedRounds(exp.cfg.get("max_failed_rounds", 10))
@@ -558,7 +558,7 @@ def write_partition_stats(
     shares: list[np.ndarray],
     labels: np.ndarray,
     num_classes: int,
-    figures: FigureWorker | None = None,
+    figures: RunPictures | None = None,
 ) -> None:
     """partitions.json and partitions.png: size and label histogram of each client's share (before its
     train/validation split, which is made only for the clients a run samples).
@@ -582,10 +582,11 @@ def write_partition_stats(
         log.warning("partitions.png not written: %s", _one_line(e))
 
 
-def start_figures() -> FigureWorker | None:
-    """The process that draws the run's pictures, or None (they are drawn in the run's process) when none starts."""
+def start_figures() -> RunPictures | None:
+    """The run's pictures, drawn by the process's figure worker (``fedsim.figures.for_run``), or None (they are
+    drawn in the run's process) when none starts."""
     try:
-        return FigureWorker()
+        return for_run()
     except OSError as e:
         log.debug("pictures drawn in the run's process: %s", e)
         return None

@@ -65,8 +65,8 @@ def pytest_xdist_make_scheduler(config, log):
 @pytest.fixture(autouse=True)
 def _pictures_only_where_asked(request, monkeypatch):
     """A run in the test's process draws no pictures unless the test is marked ``pictures``: the drawing process
-    (fedsim.figures.FigureWorker) takes about 1.3 s of CPU a run, a tiny run about 0.15 s. Runs started as commands
-    (``fedsim ...`` in a subprocess) draw theirs as always."""
+    (fedsim.figures.FigureWorker, one a process) takes about 1.3 s of CPU to start, a tiny run about 0.15 s. Runs
+    started as commands (``fedsim ...`` in a subprocess) draw theirs as always."""
     if request.node.get_closest_marker("pictures") is None:
         from helpers import NoPictures
 

@@ -45,17 +45,28 @@ def test_run_folder_has_every_output(tmp_path):
     net.load_state_dict(torch.load(tmp_path / "model.pt"))
 
 
-@pytest.mark.pictures  # looks at the run's pictures
-def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def own_figure_worker(monkeypatch):
+    """The test's runs share a figure worker of their own (``fedsim.figures._SERVE`` as the test sets it), ended
+    after the test."""
     from fedsim import figures
 
+    monkeypatch.setattr(figures, "_SHARED", [])
+    yield figures
+    for worker in figures._SHARED:
+        worker.cancel()
+
+
+@pytest.mark.pictures  # looks at the run's pictures
+def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, own_figure_worker, monkeypatch, caplog):
     answer_errors = (  # a drawing process that answers every request with an error
         "import json, sys\n"
         "for line in sys.stdin:\n"
-        "    png = json.loads(line)['png']\n"
-        "    print(json.dumps({'png': png, 'error': 'matplotlib is broken here'}), flush=True)\n"
+        "    req = json.loads(line)\n"
+        "    print(json.dumps({'id': req['id'], 'png': req['png'], 'error': 'matplotlib is broken here'}), "
+        "flush=True)\n"
     )
-    monkeypatch.setattr(figures, "_SERVE", answer_errors)
+    monkeypatch.setattr(own_figure_worker, "_SERVE", answer_errors)
     summary = run_tiny(tmp_path)
     assert summary["status"] == "completed"
     for png in ("partitions.png", "curves.png"):
@@ -68,18 +79,63 @@ def test_a_picture_that_fails_is_a_warning_not_a_failed_run(tmp_path, monkeypatc
     "serve",
     [
         "import sys; sys.exit('matplotlib is broken here')",  # ends at once: the pipe refuses the requests
-        "import sys; sys.stdin.read(); sys.exit('broken')",  # takes every request, answers none
+        "import sys; sys.stdin.readline(); sys.exit('broken')",  # takes a request, answers none, ends
     ],
-    ids=["ends-at-once", "answers-nothing"],
+    ids=["ends-at-once", "dies-after-a-request"],
 )
-def test_a_drawing_process_that_dies_loses_no_picture(tmp_path, monkeypatch, caplog, serve):
-    from fedsim import figures
-
-    monkeypatch.setattr(figures, "_SERVE", serve)
+def test_a_drawing_process_that_dies_loses_no_picture(
+    tmp_path, own_figure_worker, monkeypatch, caplog, serve
+):
+    monkeypatch.setattr(own_figure_worker, "_SERVE", serve)
     summary = run_tiny(tmp_path)
     assert summary["status"] == "completed"
     assert (tmp_path / "partitions.png").stat().st_size > 0 and (tmp_path / "curves.png").stat().st_size > 0
     assert "not written" not in caplog.text
+
+
+@pytest.mark.pictures  # looks at the run's pictures
+def test_the_runs_of_a_process_share_one_drawing_process(tmp_path, own_figure_worker, monkeypatch):
+    """A sweep's jobs (or a notebook's runs) pay matplotlib's import once: the second run's pictures come from the
+    first run's drawing process, each run gets the answers to its own requests (also for a picture path an
+    earlier run asked for), and a run that stops while its picture is still being drawn ends the process."""
+    import json
+
+    from fedsim.data import partition as P
+    from fedsim.data.stats import partition_stats, plot_partitions
+
+    figures = own_figure_worker
+    run_tiny(tmp_path / "a")
+    (worker,) = figures._SHARED
+    run_tiny(tmp_path / "b", "seed=1")
+    assert [worker] == figures._SHARED and worker.alive()
+    assert worker.asked == [str(tmp_path / r / png) for r in "ab" for png in ("partitions.png", "curves.png")]
+    for run in "ab":
+        for png in ("partitions.png", "curves.png"):
+            assert (tmp_path / run / png).read_bytes()[:4] == b"\x89PNG", (run, png)
+
+    # two runs, one picture path: the second run waits for its own drawing, not the first one's answer
+    labels = np.repeat(np.arange(4), 25)
+    drawn = []
+    for k in (3, 6):
+        stats = partition_stats(P.iid(labels, k, np.random.default_rng(0)), labels, 4)
+        (tmp_path / f"stats{k}.json").write_text(json.dumps(stats))
+        plot_partitions(stats, tmp_path / f"here{k}.png")
+        pictures = figures.for_run()
+        assert pictures.worker is worker
+        assert pictures.draw("partitions", tmp_path / "same.png", stats=str(tmp_path / f"stats{k}.json"))
+        assert pictures.finish(timeout=120) == {str(tmp_path / "same.png"): None}
+        drawn.append((tmp_path / "same.png").read_bytes())
+    assert drawn == [(tmp_path / "here3.png").read_bytes(), (tmp_path / "here6.png").read_bytes()]
+    figures.for_run().cancel()  # nothing of its own being drawn: the process stays
+    assert worker.alive()
+
+    figures.end_worker()
+    assert not worker.alive() and worker.proc.returncode == 0 and not figures._SHARED
+    monkeypatch.setattr(figures, "_SERVE", "import sys\nfor line in sys.stdin:\n    pass\n")  # never answers
+    slow = figures.for_run()
+    assert slow.worker is not worker and slow.draw("curves", tmp_path / "never.png", records=[])
+    slow.cancel()
+    assert slow.worker.proc.returncode is not None and figures.for_run().worker is not slow.worker
 
 
 @pytest.mark.slow
@@ -93,8 +149,10 @@ def test_the_run_never_imports_matplotlib_and_draws_here_when_no_process_starts(
     code = """if True:
         import subprocess, sys
         from helpers import run_tiny
+        from fedsim import figures
         run_tiny(sys.argv[1])
         print("IMPORTED", "matplotlib" in sys.modules)
+        figures.end_worker()  # the next run needs a new drawing process
         def refuse(*args, **kwargs):
             raise OSError("no processes left")
         subprocess.Popen = refuse
