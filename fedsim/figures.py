@@ -126,20 +126,29 @@ class FigureWorker:
             self._closed = True
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-        answers = self.wait(self._numbers, timeout)
-        if answers is None:
-            self.cancel()
-            answers, gone = {}, f"drawing took more than {timeout:.0f} s"
-        else:
+        drawn, self.unanswered = self.collect(list(zip(self._numbers, self.asked)), timeout)
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.cancel()
-            gone = ""
-        self.unanswered = [png for n, png in zip(self._numbers, self.asked) if n not in answers]
-        if self.unanswered and not gone:
+        return drawn
+
+    def collect(
+        self, asked: list[tuple[int, str]], timeout: float
+    ) -> tuple[dict[str, str | None], list[str]]:
+        """Wait for the requests ``asked`` (``(number, png)``): ``{png: None}`` for one drawn, else why not (one
+        line), and the pictures the worker ended without answering. A worker that takes longer than ``timeout``
+        is ended."""
+        answers = self.wait([n for n, _ in asked], timeout)
+        gone = ""
+        if answers is None:
+            self.cancel()
+            answers, gone = {}, f"drawing took more than {timeout:.0f} s"
+        unanswered = [png for n, png in asked if n not in answers]
+        if unanswered and not gone:
             gone = self.why_gone()
-        return {png: answers.get(n, gone) for n, png in zip(self._numbers, self.asked)}
+        return {png: answers.get(n, gone) for n, png in asked}, unanswered
 
     def cancel(self) -> None:
         """End the worker if it still runs (a run that stops without its outputs)."""
@@ -192,16 +201,8 @@ class RunPictures:
         """Wait for this run's pictures: ``{png: None}`` for one written, else why it is not (one line); those the
         worker ended without answering are in ``unanswered``. A worker that takes longer than ``timeout`` is
         ended."""
-        answers = self.worker.wait([n for n, _ in self.asked], timeout)
-        if answers is None:
-            self.worker.cancel()
-            answers, gone = {}, f"drawing took more than {timeout:.0f} s"
-        else:
-            gone = ""
-        self.unanswered = [png for n, png in self.asked if n not in answers]
-        if self.unanswered and not gone:
-            gone = self.worker.why_gone()
-        return {png: answers.get(n, gone) for n, png in self.asked}
+        drawn, self.unanswered = self.worker.collect(self.asked, timeout)
+        return drawn
 
     def cancel(self) -> None:
         """A run that stops without its outputs: the worker is ended if it still draws for this run (a
