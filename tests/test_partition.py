@@ -391,6 +391,19 @@ def test_a_picture_the_worker_cannot_draw_says_why_in_one_line(tmp_path):
     assert not (tmp_path / "p.png").exists()
 
 
+def test_a_worker_that_does_not_answer_in_time_is_ended(tmp_path, monkeypatch):
+    """A run waits for its pictures at most ``timeout`` seconds: then the worker is ended and the pictures are
+    left to the run (``unanswered``: fedsim.run draws those itself)."""
+    from fedsim import figures
+
+    monkeypatch.setattr(figures, "_SERVE", "import sys\nfor line in sys.stdin:\n    pass\n")  # never answers
+    pictures = figures.RunPictures(figures.FigureWorker())
+    assert pictures.draw("curves", tmp_path / "c.png", records=[])
+    assert pictures.finish(timeout=1) == {str(tmp_path / "c.png"): "drawing took more than 1 s"}
+    assert pictures.unanswered == [str(tmp_path / "c.png")]
+    assert pictures.worker.proc.returncode is not None and not pictures.worker.alive()
+
+
 def test_flwr_datasets_missing_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "flwr_datasets", None)  # makes the import fail
     with pytest.raises(ConfigError, match=r"pip install -e \"\.\[hf\]\""):
