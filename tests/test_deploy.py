@@ -1778,20 +1778,34 @@ def test_a_supernode_whose_connection_ends_exits_nonzero_with_one_line(tmp_path)
 
 
 def test_the_supernodes_reconnect_backoff_is_capped(monkeypatch):
-    """A node back from a cut link asks again within ``--retry-max-delay`` (Flower's own backoff grows to 20 s)."""
+    """A node back from a cut link asks again, and sends its heartbeat again (the SuperLink lists a node without
+    one for 60 s offline), within ``--retry-max-delay`` (Flower's own backoffs grow to 20 s)."""
     import itertools
 
+    from flwr.supercore import heartbeat
     from flwr.supercore.retry import grpc_retry, http_retry
 
     from fedsim.deploy import node
 
     for module in (grpc_retry, http_retry):
         monkeypatch.setattr(module, "MAX_RETRY_DELAY", module.MAX_RETRY_DELAY)  # restored after the test
+    monkeypatch.setattr(heartbeat, "exponential", heartbeat.exponential)
+
+    def beats():
+        sender = heartbeat.HeartbeatSender(lambda: True)  # (not started)
+        return list(itertools.islice(sender._retry_invoker.wait_gen_factory(), 8))
+
     flower = list(itertools.islice(grpc_retry.make_simple_grpc_retry_invoker().wait_gen_factory(), 8))
-    assert max(flower) == 20  # what Flower 1.42 does on its own
+    assert max(flower) == 20 == max(beats())  # what Flower 1.42 does on its own
     node.cap_retry_delay(node.RETRY_MAX_DELAY)
-    for make in (grpc_retry.make_simple_grpc_retry_invoker, http_retry.make_simple_http_retry_invoker):
-        waits = list(itertools.islice(make().wait_gen_factory(), 8))
+    node.cap_retry_delay(node.RETRY_MAX_DELAY)  # twice: the same cap, not a cap of a cap
+    for waits in (
+        *(
+            list(itertools.islice(m().wait_gen_factory(), 8))
+            for m in (grpc_retry.make_simple_grpc_retry_invoker, http_retry.make_simple_http_retry_invoker)
+        ),
+        beats(),
+    ):
         assert waits[:3] == [1, 2, 4] and max(waits) == node.RETRY_MAX_DELAY == 4.0, waits
     with pytest.raises(SystemExit):
         node.main(["--retry-max-delay", "0", "--", "--insecure"])

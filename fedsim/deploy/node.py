@@ -9,9 +9,12 @@ Here a return of ``flower_supernode()`` ends the process with one line and exit 
 manager) sees it exit and can start it again.
 
 **Reconnecting.** Flower retries a refused or dropped connection with exponential backoff up to 20 s between
-tries, so a node whose link comes back waits up to 20 s more, several rounds of a small federation. Here the
-backoff is capped at ``--retry-max-delay`` (default ``RETRY_MAX_DELAY``, 4 s): a node back from a cut link asks
-again within 4 s, at the cost of one connection attempt every 4 s while the SuperLink is unreachable.
+tries, so a node whose link comes back waits up to 20 s more, several rounds of a small federation. Its
+heartbeat retries the same way, and the SuperLink lists a node offline (and answers its messages "node
+unavailable" at once) 60 s after its last heartbeat: a node cut for 30-60 s could be back on the link and still
+miss rounds until its next heartbeat. Here both backoffs are capped at ``--retry-max-delay`` (default
+``RETRY_MAX_DELAY``, 4 s): a node back from a cut link asks again, and is listed again, within 4 s, at the cost
+of one connection attempt and one heartbeat every 4 s while the SuperLink is unreachable.
 
 Flower 1.42's SuperNode loop (``flwr.supernode.start_client_internal``) sleeps 3 s whenever a pull from the
 SuperLink brings no message, and 0.5 s at a time while it waits for its ClientApp's reply. A round's next
@@ -83,12 +86,20 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def cap_retry_delay(seconds: float) -> None:
-    """Cap the backoff of Flower's connection retries (gRPC and REST) at ``seconds``: their retry invokers read
-    the module constant ``MAX_RETRY_DELAY`` each time they start a backoff."""
-    from flwr.supercore.retry import grpc_retry, http_retry
+    """Cap the backoff of Flower's connection retries (gRPC and REST) and of its heartbeat's retries at
+    ``seconds``: the retry invokers read the module constant ``MAX_RETRY_DELAY`` each time they start a backoff,
+    the heartbeat sender its module's ``exponential`` (with its own 20 s cap)."""
+    from flwr.supercore import heartbeat
+    from flwr.supercore.retry import grpc_retry, http_retry, retry_invoker
 
     for module in (grpc_retry, http_retry):
         module.MAX_RETRY_DELAY = seconds
+
+    def capped(base_delay: float = 1, multiplier: float = 2, max_delay: float | None = None):
+        cap = seconds if max_delay is None else min(max_delay, seconds)
+        return retry_invoker.exponential(base_delay, multiplier, cap)
+
+    heartbeat.exponential = capped
 
 
 def lost() -> None:
