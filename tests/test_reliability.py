@@ -1188,8 +1188,16 @@ def test_a_signal_while_the_command_starts_is_a_clean_exit_143(tmp_path, delay):
     proc = fedsim_cli(*TINY, "num_rounds=5000", "hydra.run.dir=run", cwd=tmp_path, background=True)
     time.sleep(delay)
     proc.send_signal(signal.SIGTERM)
+    try:  # the command's signal state when the signal was sent (blocked, ignored, caught, pending), for a failure
+        state = [
+            ln
+            for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines()
+            if ln.startswith(("Sig", "ShdPnd"))
+        ]
+    except OSError:
+        state = []
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    assert proc.returncode == 143 and "Traceback" not in err, (err[-3000:], state)
     run = tmp_path / "run"
     assert not run.exists() or (run / "summary.json").exists(), sorted(p.name for p in run.iterdir())
 
