@@ -48,9 +48,8 @@ class FigureWorker:
             start_new_session=True,  # a Ctrl-C at the terminal is the run's to handle; it then asks for curves
         )
         self.pid = os.getpid()  # the process that started it (a forked child starts its own)
-        self.asked: list[str] = []
+        self.asked: list[str] = []  # request n (from 1) asked for asked[n - 1]
         self.unanswered: list[str] = []  # after finish(): pictures the worker ended without answering
-        self._numbers: list[int] = []  # the requests behind ``asked``
         self._answers: dict[int, str | None] = {}  # request number -> None (drawn) or why not
         self._answered = threading.Condition()
         self._ended = False  # its stdout closed: it answers no more
@@ -71,7 +70,7 @@ class FigureWorker:
         with self._write:
             if self._closed or self._ended:
                 return None
-            number = len(self._numbers) + 1
+            number = len(self.asked) + 1
             try:
                 self.proc.stdin.write(
                     json.dumps({"id": number, "kind": kind, "png": str(png), **request}) + "\n"
@@ -79,7 +78,6 @@ class FigureWorker:
                 self.proc.stdin.flush()
             except (OSError, ValueError):  # the worker has ended (broken pipe)
                 return None
-            self._numbers.append(number)
             self.asked.append(str(png))
             return number
 
@@ -126,7 +124,7 @@ class FigureWorker:
             self._closed = True
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-        drawn, self.unanswered = self.collect(list(zip(self._numbers, self.asked)), timeout)
+        drawn, self.unanswered = self.collect(list(enumerate(self.asked, 1)), timeout)
         if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout=10)
