@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,21 @@ class SignalGuard:
         """From now on signals are only noted (the run is writing its outputs)."""
         self.is_stopping = True
 
+    def check(self) -> None:
+        """Raise a signal whose :class:`Interrupted` never reached the run (a check point: the end of a round).
+
+        The handler raises where the main thread happens to be. Inside a finaliser (an object's ``__del__``, a
+        weakref callback, run by the garbage collector at any allocation) Python swallows the exception and
+        prints "Exception ignored in"; the run would go on to its end and exit 0. The guard's
+        ``sys.unraisablehook`` keeps that print off, and this raises the signal at the next check point."""
+        if (
+            self.first is not None
+            and not self.is_stopping
+            and not self.depth
+            and threading.current_thread() is threading.main_thread()
+        ):
+            raise Interrupted(self.first)
+
 
 _PENDING: list[int] = []  # a SIGTERM/SIGHUP noted while the command starts, raised at its next check point
 
@@ -240,10 +256,19 @@ def signals():
             ):  # nohup, `cmd &`: stay ignored
                 previous[sig] = signal.signal(sig, g.handle)
         _GUARD = g
+        unraisable = sys.unraisablehook
+
+        def hook(info) -> None:  # a signal raised inside a finaliser: raised again at g.check, not printed
+            if not isinstance(info.exc_value, Interrupted):
+                unraisable(info)
+
+        sys.unraisablehook = hook
         try:
             raise_pending()  # a signal noted while the command started: the run ends before it begins
             yield g
         finally:
+            if sys.unraisablehook is hook:
+                sys.unraisablehook = unraisable
             _GUARD = None
             for sig, handler in previous.items():
                 if g.first is not None and IGNORE_AFTER_INTERRUPT:

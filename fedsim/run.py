@@ -37,7 +37,15 @@ from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks, redact
 from fedsim.config import keep_freed_memory, quiet_loggers
 from fedsim.engines import EngineRunner
-from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
+from fedsim.errors import (
+    ConfigError,
+    Interrupted,
+    OutputError,
+    RunError,
+    SignalGuard,
+    signals,
+    where_it_failed,
+)
 from fedsim.experiment import Experiment, build_experiment
 from fedsim.figures import RunPictures, draw_here, for_run
 from fedsim.grid_utils import StoppableView
@@ -204,6 +212,7 @@ class Run:
         self.error: str | None = None  # why a failed run failed
         self.figures: RunPictures | None = None  # this run's pictures, drawn by the process's figure worker
         self.signal: int | None = None  # the signal that interrupted it
+        self.guard: SignalGuard | None = None  # the signal guard while the loop runs (errors.signals)
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         self.give_up = FailedRounds(exp.cfg.get("max_failed_rounds", 10))
         cfg = exp.cfg
@@ -304,6 +313,8 @@ class Run:
         last = self.exp.loop.num_rounds
         if self.every and state.round > 0 and (state.round % self.every == 0 or state.round == last):
             self.save_checkpoint()
+        if self.guard is not None:  # a signal a finaliser swallowed ends the run here
+            self.guard.check()
 
     def save_checkpoint(self) -> None:
         """checkpoint.pt of the current state, with the count and digest of the records up to it (which stay in
@@ -345,9 +356,12 @@ class Run:
         writing a checkpoint there; any other exception rolls back the same way and propagates.
         """
         threaded = engine.name == "ray"  # Flower runs the ServerApp in a thread of its own there
+        self.guard = guard
         try:
             with _sigterm_kept_from_ray(threaded and guard is not None):
                 engine.run(self._threaded_main(engine) if threaded else self._main(engine))
+            if guard is not None:
+                guard.check()
             if self.state.stop_reason:
                 self._close_early_stop()
                 return "stopped"

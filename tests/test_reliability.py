@@ -28,6 +28,7 @@ from helpers import TINY, compose_cfg, fedsim_cli, read_metrics, run_tiny, witho
 from omegaconf import open_dict
 
 from fedsim import checkpoint, schema
+from fedsim.callbacks import Callback
 from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, critical, signals
 from fedsim.recorder import Recorder, atomic_torch_save, lock_run_folder, unlock_run_folder
 from fedsim.validate import validate
@@ -1200,6 +1201,43 @@ def test_a_signal_while_the_command_starts_is_a_clean_exit_143(tmp_path, delay):
     assert proc.returncode == 143 and "Traceback" not in err, (err[-3000:], state)
     run = tmp_path / "run"
     assert not run.exists() or (run / "summary.json").exists(), sorted(p.name for p in run.iterdir())
+
+
+class SignalInAFinaliser(Callback):
+    """A callback that, after round 2, drops an object whose ``__del__`` is where SIGTERM's handler runs (as a
+    finaliser the garbage collector calls at any allocation can be)."""
+
+    def on_round(self, record):
+        if record["round"] == 2:
+            from fedsim import errors
+
+            class Dropped:
+                def __del__(self):
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    deadline = time.monotonic() + 5
+                    while errors._GUARD.first is None and time.monotonic() < deadline:
+                        pass  # the handler runs here: its Interrupted ends this __del__, and Python swallows it
+
+            Dropped()
+
+
+def test_a_signal_a_finaliser_swallows_still_ends_the_run(tmp_path, capfd):
+    """The Interrupted raised inside a ``__del__`` never reaches the loop (Python prints "Exception ignored
+    in" and goes on): the run still ends interrupted at the end of that round, with its outputs, and prints no
+    traceback. Before, it ran to its end, completed (the start-signal test's rare exit 0)."""
+    summary = run_tiny(
+        tmp_path,
+        "num_rounds=50",
+        "checkpoint_every=0",
+        "callbacks=[{_target_: test_reliability.SignalInAFinaliser}]",
+    )
+    err = capfd.readouterr().err
+    assert summary["status"] == "interrupted" and summary["signal"] == "SIGTERM", summary
+    # as a signal raised at once during round 2 (its recording included): rolled back to the end of round 1
+    assert summary["rounds_done"] == 1 and [r["round"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["round"] == 1
+    assert "Exception ignored" not in err and "Traceback" not in err, err
+    assert signal.getsignal(signal.SIGTERM) is not None  # the guard gave the handler back
 
 
 def test_zero_attackers_warn_and_absurd_thread_counts_are_refused(caplog):
