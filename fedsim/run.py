@@ -37,15 +37,7 @@ from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks, redact
 from fedsim.config import keep_freed_memory, quiet_loggers
 from fedsim.engines import EngineRunner
-from fedsim.errors import (
-    ConfigError,
-    Interrupted,
-    OutputError,
-    RunError,
-    SignalGuard,
-    signals,
-    where_it_failed,
-)
+from fedsim.errors import ConfigError, Interrupted, OutputError, RunError, signals, where_it_failed
 from fedsim.experiment import Experiment, build_experiment
 from fedsim.figures import RunPictures, draw_here, for_run
 from fedsim.grid_utils import StoppableView
@@ -212,7 +204,7 @@ class Run:
         self.error: str | None = None  # why a failed run failed
         self.figures: RunPictures | None = None  # this run's pictures, drawn by the process's figure worker
         self.signal: int | None = None  # the signal that interrupted it
-        self.guard: SignalGuard | None = None  # the signal guard while the loop runs (errors.signals)
+        self.guard = None  # the errors.SignalGuard of the command while the loop runs
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         self.give_up = FailedRounds(exp.cfg.get("max_failed_rounds", 10))
         cfg = exp.cfg
