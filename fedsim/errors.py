@@ -234,6 +234,13 @@ def critical():
     return _GUARD.critical() if _GUARD is not None else contextlib.nullcontext()
 
 
+def check_signals() -> None:
+    """Raise a signal the run's :func:`signals` guard received but that never reached the run (a check point:
+    :meth:`SignalGuard.check`); a no-op without a guard."""
+    if _GUARD is not None:
+        _GUARD.check()
+
+
 def signals():
     """Context manager: while it is open, SIGINT/SIGTERM/SIGHUP raise :class:`Interrupted` (main thread only).
 

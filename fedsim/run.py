@@ -32,7 +32,7 @@ from flwr.app import ArrayRecord
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from fedsim import __version__, build, checkpoint, schema
+from fedsim import __version__, build, checkpoint, errors, schema
 from fedsim.algorithms import state as client_state
 from fedsim.callbacks import Callbacks, redact
 from fedsim.config import keep_freed_memory, quiet_loggers
@@ -204,7 +204,6 @@ class Run:
         self.error: str | None = None  # why a failed run failed
         self.figures: RunPictures | None = None  # this run's pictures, drawn by the process's figure worker
         self.signal: int | None = None  # the signal that interrupted it
-        self.guard = None  # the errors.SignalGuard of the command while the loop runs
         self.ckpt_round: int | None = None  # round of the last checkpoint.pt this run wrote
         self.give_up = FailedRounds(exp.cfg.get("max_failed_rounds", 10))
         cfg = exp.cfg
@@ -305,8 +304,7 @@ class Run:
         last = self.exp.loop.num_rounds
         if self.every and state.round > 0 and (state.round % self.every == 0 or state.round == last):
             self.save_checkpoint()
-        if self.guard is not None:  # a signal a finaliser swallowed ends the run here
-            self.guard.check()
+        errors.check_signals()  # a signal a finaliser swallowed ends the run here
 
     def save_checkpoint(self) -> None:
         """checkpoint.pt of the current state, with the count and digest of the records up to it (which stay in
@@ -348,12 +346,10 @@ class Run:
         writing a checkpoint there; any other exception rolls back the same way and propagates.
         """
         threaded = engine.name == "ray"  # Flower runs the ServerApp in a thread of its own there
-        self.guard = guard
         try:
             with _sigterm_kept_from_ray(threaded and guard is not None):
                 engine.run(self._threaded_main(engine) if threaded else self._main(engine))
-            if guard is not None:
-                guard.check()
+            errors.check_signals()
             if self.state.stop_reason:
                 self._close_early_stop()
                 return "stopped"

@@ -1225,6 +1225,7 @@ def test_a_signal_a_finaliser_swallows_still_ends_the_run(tmp_path, capfd):
     """The Interrupted raised inside a ``__del__`` never reaches the loop (Python prints "Exception ignored
     in" and goes on): the run still ends interrupted at the end of that round, with its outputs, and prints no
     traceback. Before, it ran to its end, completed (the start-signal test's rare exit 0)."""
+    handler, hook = signal.getsignal(signal.SIGTERM), sys.unraisablehook
     summary = run_tiny(
         tmp_path,
         "num_rounds=50",
@@ -1237,7 +1238,8 @@ def test_a_signal_a_finaliser_swallows_still_ends_the_run(tmp_path, capfd):
     assert summary["rounds_done"] == 1 and [r["round"] for r in read_metrics(tmp_path)] == [0, 1]
     assert torch.load(tmp_path / "checkpoint.pt", weights_only=False)["round"] == 1
     assert "Exception ignored" not in err and "Traceback" not in err, err
-    assert signal.getsignal(signal.SIGTERM) is not None  # the guard gave the handler back
+    # the guard gave the signal handler and Python's unraisable hook back
+    assert signal.getsignal(signal.SIGTERM) is handler and sys.unraisablehook is hook
 
 
 def test_zero_attackers_warn_and_absurd_thread_counts_are_refused(caplog):
