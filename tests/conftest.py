@@ -2,9 +2,10 @@
 run on one pytest-xdist worker in turn.
 
 The suite runs on two workers (``addopts`` in pyproject.toml). The tests that start Flower's or Ray's services,
-launch sweeps or time benchmarks, or send signals to a run are kept on one worker, one after the other (one
-scope of the scheduler): each still has a neighbour on the other core, never another of its kind, and
-test_deploy's federation (a module fixture) is started once.
+launch sweeps, run a CPU-burning neighbour, or send signals to a run are kept on one worker, one after the
+other (one scope of the scheduler): each still has a neighbour on the other core, never another of its kind,
+and test_deploy's federation (a module fixture) is started once. That worker's chain sets the suite's wall
+time, so tests that need none of this (the benchmark smoke tests among them) stay off it.
 """
 
 import re
@@ -31,15 +32,15 @@ for _sig, _default in (
 SERVICES_FILES = (
     "test_deploy.py",
     "test_sweepers.py",
-    "test_bench_smoke.py",
     "test_ray_cluster.py",
     "test_netns.py",
     "test_netns_churn.py",
     "test_netns_ray.py",
 )
-# "ray" as a word of the test name (not in "arrays")
+# "ray" as a word of the test name (not in "arrays"); "busy": a test that runs a CPU-burning neighbour. The
+# other benchmark smoke tests assert no timing and share the second worker with the rest.
 SERVICES_NAMES = re.compile(
-    r"(?:^|[_=\[-])ray(?:[_\]-]|$)|simulation|sigterm|sigkill|signal|ctrl_c|interrupt"
+    r"(?:^|[_=\[-])ray(?:[_\]-]|$)|simulation|sigterm|sigkill|signal|ctrl_c|interrupt|busy"
 )
 
 

@@ -1509,7 +1509,9 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     folder). Round 2: node 2 never replies; the round waits ``round_timeout`` seconds, records a timeout and
     aggregates the other two; the run completes.
     """
-    overrides = [*TINY, "num_rounds=2", "round_timeout=25"]
+    # round 1 includes node 2's cold start (Flower's SuperExec starts a fresh ClientApp process, imports and
+    # data included): on a slow 2-core machine beside the ten-node churn test it took over 25 s once
+    overrides = [*TINY, "num_rounds=2", "round_timeout=45"]
     run_id, out = _start_run(fed, "sync", overrides)
     _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2, 300, "round 1")
     fed.kill("supernode2")
@@ -1517,7 +1519,7 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
 
     records = read_metrics(out)
     assert [r["round"] for r in records] == [0, 1, 2]
-    assert [r["num_clients"] for r in records[1:]] == [3, 2]
+    assert [r["num_clients"] for r in records[1:]] == [3, 2], records[1]
     assert [r["failures"] for r in records[1:]] == [0, 1]
     # no reply within round_timeout, or the SuperLink noticed the missing heartbeats first
     assert records[2]["failure_kinds"] in ({"timeout": 1}, {"unavailable": 1})
