@@ -1510,7 +1510,7 @@ def test_sync_fedavg_each_node_its_own_partition_and_a_lost_node_times_out(fed):
     aggregates the other two; the run completes.
     """
     # round 1 includes node 2's cold start (Flower's SuperExec starts a fresh ClientApp process, imports and
-    # data included): on a slow 2-core machine beside the ten-node churn test it took over 25 s once
+    # data included): in one CI run, on a 2-core machine about 2x slower than usual and busy, it took over 25 s
     overrides = [*TINY, "num_rounds=2", "round_timeout=45"]
     run_id, out = _start_run(fed, "sync", overrides)
     _wait_for(lambda: (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2, 300, "round 1")
